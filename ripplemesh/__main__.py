@@ -1,0 +1,3 @@
+from ripplemesh.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Benchmarks: side by side in one run, with ratios."""

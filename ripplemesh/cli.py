@@ -1,0 +1,226 @@
+"""The `ripplemesh` command."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from services.mesh.config import ConfigError, config_path, default_data_dir, load_config
+
+console = Console(stderr=True)
+
+SERVICES = ("ingress", "admission", "router", "prefill", "decode", "autoscaler", "ledger")
+
+
+def _service(name: str) -> Any:
+    if name == "ingress":
+        from services.ingress.service import IngressService
+
+        return IngressService()
+    if name == "admission":
+        from services.admission.service import AdmissionService
+
+        return AdmissionService()
+    if name == "router":
+        from services.router.service import RouterService
+
+        return RouterService()
+    if name == "prefill":
+        from services.prefill.service import PrefillService
+
+        return PrefillService()
+    if name == "decode":
+        from services.decode.service import DecodeService
+
+        return DecodeService()
+    if name == "autoscaler":
+        from services.autoscaler.service import AutoscalerService
+
+        return AutoscalerService()
+    if name == "ledger":
+        from services.ledger.service import LedgerService
+
+        return LedgerService()
+    raise click.BadParameter(f"unknown service {name!r}")
+
+
+@click.group()
+def main() -> None:
+    """ripplemesh: a control plane for LLM inference on a GPU fleet."""
+
+
+@main.command()
+@click.argument("service", type=click.Choice(SERVICES))
+@click.option("--nats-url", envvar="NATS_URL", required=True, help="NATS server to join.")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None)
+@click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
+@click.option("--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API).")
+@click.option("--http-host", default="127.0.0.1")
+@click.option("--worker-id", default=None, help="Worker id (prefill/decode); stable across restarts.")
+@click.option("--engine", default="sim", type=click.Choice(["sim"]))
+@click.option("--gpu", default="H100", help="GPU type the sim engine models.")
+@click.option("--model", default=None, help="Model to serve (default: the config's first).")
+@click.option("--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time.")
+@click.option("--database-url", default=None, help="Ledger database (default SQLite in the data dir).")
+def run(service: str, nats_url: str, data_dir: Path | None, config_file: Path | None, http_port: int,
+        http_host: str, worker_id: str | None, engine: str, gpu: str, model: str | None,
+        time_scale: float, database_url: str | None) -> None:
+    """Run one service in this process until SIGTERM or Ctrl-C."""
+    from services.mesh.runtime import ServiceOptions, run_service, setup_logging
+
+    setup_logging(service)
+    if service in ("prefill", "decode") and not worker_id:
+        raise click.UsageError(f"{service} needs --worker-id")
+    try:
+        config = load_config(config_file)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    extra = {"worker_id": worker_id, "engine": engine, "gpu": gpu, "model": model,
+             "time_scale": time_scale, "database_url": database_url}
+    options = ServiceOptions(nats_url=nats_url, data_dir=(data_dir or default_data_dir()).resolve(),
+                             config=config, http_host=http_host, http_port=http_port, extra=extra)
+    asyncio.run(run_service(_service(service), options))
+
+
+@main.command()
+@click.option("--engine", default="sim", type=click.Choice(["sim"]))
+@click.option("--prefill", default=1, show_default=True, help="Prefill workers (0: aggregated serving).")
+@click.option("--decode", default=1, show_default=True, help="Decode workers.")
+@click.option("--http-port", default=8000, show_default=True)
+@click.option("--nats-url", envvar="NATS_URL", default=None, help="Use this NATS instead of an embedded one.")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None)
+@click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
+@click.option("--gpu", default="H100", show_default=True)
+@click.option("--time-scale", type=float, default=1.0, show_default=True)
+@click.option("--database-url", default=None)
+def up(engine: str, prefill: int, decode: int, http_port: int, nats_url: str | None,
+       data_dir: Path | None, config_file: Path | None, gpu: str, time_scale: float,
+       database_url: str | None) -> None:
+    """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all."""
+    from ripplemesh.launcher import Mesh
+
+    if decode < 1:
+        raise click.UsageError("the mesh needs at least one decode worker")
+    try:
+        load_config(config_file)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    data = (data_dir or default_data_dir()).resolve()
+    mesh = Mesh(data_dir=data, config_path=config_file.resolve() if config_file else None,
+                nats_url=nats_url, http_port=http_port, prefill=prefill, decode=decode,
+                engine=engine, gpu=gpu, time_scale=time_scale, database_url=database_url)
+    stop_requested = False
+
+    def request_stop(signum: int, _frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    console.print(f"starting ripplemesh in {data} ...")
+    mesh.start()
+    table = Table(title="ripplemesh is up", show_header=True)
+    table.add_column("what")
+    table.add_column("where")
+    table.add_row("OpenAI API", f"http://127.0.0.1:{http_port}/v1  (api key: rm-demo-key with the default config)")
+    table.add_row("NATS", mesh.url)
+    for child in mesh.children:
+        table.add_row(f"{child.name} metrics", f"{child.url}/metrics")
+    table.add_row("traces", f"{data / 'traces'}  (ripplemesh trace <request_id>)")
+    table.add_row("logs", str(data / "logs"))
+    table.add_row("config", str(config_path(config_file)))
+    console.print(table)
+    print(f"READY http://127.0.0.1:{http_port}/v1 {mesh.url}", flush=True)
+    try:
+        while not stop_requested:
+            for child in mesh.children:
+                if child.process is not None and child.process.poll() is not None:
+                    console.print(f"[red]{child.name} exited ({child.process.returncode}); see {child.log_path}")
+                    stop_requested = True
+            time.sleep(0.2)
+    finally:
+        console.print("stopping ...")
+        mesh.stop()
+        console.print("stopped")
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--tenant", default="demo", show_default=True)
+@click.option("--model", default="llama-3-8b", show_default=True)
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--nats-url", envvar="NATS_URL", default="nats://127.0.0.1:4222", show_default=True)
+def submit(prompt: str, tenant: str, model: str, max_tokens: int, nats_url: str) -> None:
+    """Submit a prompt over NATS and print its tokens as they stream."""
+    from ripplemesh.client import MeshClient, MeshError
+
+    async def go() -> None:
+        async with MeshClient(nats_url, tenant, model=model) as client:
+            async for chunk in client.stream(prompt=prompt, max_tokens=max_tokens):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    try:
+        asyncio.run(go())
+    except MeshError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+@click.argument("request_id")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None)
+def trace(request_id: str, data_dir: Path | None) -> None:
+    """Print a request's span tree from the locally written traces."""
+    from ripplemesh.traces import load_request_trace, render_tree
+
+    spans = load_request_trace((data_dir or default_data_dir()).resolve(), request_id)
+    if not spans:
+        raise click.ClickException(f"no spans found for request {request_id}")
+    Console().print(render_tree(spans))
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that compare side by side in one run and print ratios."""
+
+
+@bench.command("overhead")
+@click.option("--rate", default=50.0, show_default=True, help="Requests per second.")
+@click.option("--requests", "count", default=500, show_default=True)
+@click.option("--prefill", default=1, show_default=True)
+def bench_overhead(rate: float, count: int, prefill: int) -> None:
+    """Mesh time to first token (zero compute) against bare NATS request/reply round trips."""
+    from ripplemesh.bench.overhead import run_overhead_bench
+
+    run_overhead_bench(rate=rate, count=count, prefill=prefill, console=Console())
+
+
+@main.group()
+def schemas() -> None:
+    """The event contract's generated documents."""
+
+
+@schemas.command("generate")
+@click.option("--check", is_flag=True, help="Only check that the generated files are current.")
+def schemas_generate(check: bool) -> None:
+    """Write JSON Schema and AsyncAPI documents from the msgspec Structs."""
+    from schemas.generate import main as generate_main
+
+    raise SystemExit(generate_main(["--check"] if check else []))
+
+
+@main.command("hash-key")
+@click.argument("api_key")
+def hash_key(api_key: str) -> None:
+    """Print the SHA-256 digest to put in a tenant's api_keys_sha256."""
+    click.echo(hashlib.sha256(api_key.encode()).hexdigest())

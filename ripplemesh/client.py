@@ -1,0 +1,151 @@
+"""`MeshClient`: submit requests over NATS and receive their tokens, in order, exactly once.
+
+    async with MeshClient("nats://127.0.0.1:4222", tenant="demo") as client:
+        async for chunk in client.stream(prompt="Hello", max_tokens=32):
+            print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NatsClient
+
+from schemas.events import (
+    ChatMessage,
+    PriorityClass,
+    StreamFailed,
+    StreamFinished,
+    SubmitRequest,
+    TokenChunk,
+    TokenEvent,
+    Usage,
+    WorkflowRef,
+    encode_event,
+    new_event_id,
+)
+from schemas.subjects import request_subject, tokens_subject
+from services.mesh.token_stream import TokenStream
+
+
+class MeshError(Exception):
+    """The mesh refused or failed the request; `code` and `http_status` say why."""
+
+    def __init__(self, failure: StreamFailed):
+        super().__init__(f"{failure.code}: {failure.message}")
+        self.code = failure.code
+        self.http_status = failure.http_status
+        self.retry_after_s = failure.retry_after_s
+        self.message = failure.message
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    chunks: int
+
+
+class MeshClient:
+    def __init__(
+        self,
+        nats_url: str,
+        tenant: str,
+        *,
+        model: str = "llama-3-8b",
+        first_token_timeout_s: float = 60.0,
+        idle_timeout_s: float = 30.0,
+        nc: NatsClient | None = None,
+    ):
+        self.nats_url = nats_url
+        self.tenant = tenant
+        self.model = model
+        self.first_token_timeout_s = first_token_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._nc = nc
+        self._owns_connection = nc is None
+
+    async def connect(self) -> MeshClient:
+        if self._nc is None:
+            self._nc = await nats.connect(self.nats_url, name=f"ripplemesh-client-{self.tenant}",
+                                          connect_timeout=5, max_reconnect_attempts=-1)
+        return self
+
+    async def close(self) -> None:
+        if self._nc is not None and self._owns_connection:
+            await self._nc.drain()
+        self._nc = None
+
+    async def __aenter__(self) -> MeshClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def nc(self) -> NatsClient:
+        if self._nc is None:
+            raise RuntimeError("MeshClient is not connected")
+        return self._nc
+
+    async def events(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: list[ChatMessage] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        priority: PriorityClass = "standard",
+        deadline_ms: int | None = None,
+        workflow: WorkflowRef | None = None,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """Submit one request and yield every token event, in order, ending with the final one."""
+        request_id = request_id or uuid.uuid4().hex
+        submission = SubmitRequest(
+            event_id=new_event_id(), occurred_at=time.time(), request_id=request_id,
+            model=model or self.model, prompt=prompt, messages=messages, max_tokens=max_tokens,
+            temperature=temperature, priority=priority, deadline_ms=deadline_ms, workflow=workflow,
+        )
+        stream = TokenStream(self.nc, tokens_subject(self.tenant, request_id),
+                             first_event_timeout_s=self.first_token_timeout_s,
+                             idle_timeout_s=self.idle_timeout_s)
+        async with stream:
+            await self.nc.jetstream(timeout=5).publish(
+                request_subject(self.tenant), encode_event(submission),
+                headers={"Nats-Msg-Id": submission.event_id},
+            )
+            async for event in stream.events():
+                yield event
+
+    async def stream(self, **request: object) -> AsyncIterator[TokenChunk]:
+        """Yield token chunks; raise `MeshError` if the mesh rejects or fails the request."""
+        async for event in self.events(**request):  # type: ignore[arg-type]
+            if isinstance(event, TokenChunk):
+                yield event
+            elif isinstance(event, StreamFailed):
+                raise MeshError(event)
+
+    async def complete(self, **request: object) -> Completion:
+        texts: list[str] = []
+        token_ids: list[int] = []
+        chunks = 0
+        async for event in self.events(**request):  # type: ignore[arg-type]
+            if isinstance(event, TokenChunk):
+                texts.append(event.text)
+                token_ids.extend(event.token_ids)
+                chunks += 1
+            elif isinstance(event, StreamFailed):
+                raise MeshError(event)
+            elif isinstance(event, StreamFinished):
+                return Completion(event.request_id, "".join(texts), token_ids,
+                                  event.finish_reason, event.usage, chunks)
+        raise RuntimeError("the token stream ended without a final event")

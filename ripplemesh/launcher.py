@@ -1,0 +1,185 @@
+"""`ripplemesh up`: embedded NATS plus every service as its own child process.
+
+Used by the command, by the tests and by the benchmarks, so all three run the same mesh.
+Children are told by Linux to exit if this process dies, so nothing is ever left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.mesh.embedded_nats import EmbeddedNats, free_port
+
+SERVICES_IN_ORDER = ("ledger", "autoscaler", "router", "admission", "ingress")
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    http_port: int
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    os.setpgrp()  # Ctrl-C reaches only the launcher, which stops children in order
+
+
+@dataclass
+class Mesh:
+    data_dir: Path
+    config_path: Path | None = None
+    nats_url: str | None = None
+    http_port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    engine: str = "sim"
+    gpu: str = "H100"
+    time_scale: float = 1.0
+    database_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    children: list[Child] = field(default_factory=list)
+    nats: EmbeddedNats | None = None
+
+    def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
+        port = http_port or free_port()
+        args = [sys.executable, "-m", "ripplemesh", "run", service,
+                "--nats-url", self.url, "--data-dir", str(self.data_dir),
+                "--http-port", str(port), *extra]
+        if self.config_path is not None:
+            args += ["--config", str(self.config_path)]
+        return Child(name, args, port, self.data_dir / "logs" / f"{name}.log")
+
+    @property
+    def url(self) -> str:
+        if self.nats_url:
+            return self.nats_url
+        if self.nats is None:
+            raise RuntimeError("NATS not started")
+        return self.nats.url
+
+    def plan(self) -> list[Child]:
+        engine = ["--engine", self.engine, "--gpu", self.gpu, "--time-scale", str(self.time_scale)]
+        children = []
+        for i in range(self.decode):
+            children.append(self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine))
+        for i in range(self.prefill):
+            children.append(self._child(f"prefill-{i}", "prefill", "--worker-id", f"prefill-{i}", *engine))
+        for name in SERVICES_IN_ORDER:
+            extra = ["--database-url", self.database_url] if name == "ledger" and self.database_url else []
+            port = self.http_port if name == "ingress" else None
+            children.append(self._child(name, name, *extra, http_port=port))
+        return children
+
+    def start(self, ready_timeout_s: float = 60.0) -> Mesh:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "logs").mkdir(exist_ok=True)
+        if self.nats_url is None:
+            self.nats = EmbeddedNats(self.data_dir / "nats").start()
+        self.children = self.plan()
+        env = {**os.environ, **self.env}
+        try:
+            for child in self.children:
+                log = child.log_path.open("ab")
+                child.process = subprocess.Popen(
+                    child.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                    preexec_fn=_die_with_parent,
+                )
+                log.close()
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.children)
+        while pending:
+            child = pending[0]
+            if child.process is not None and child.process.poll() is not None:
+                tail = child.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{child.name} exited with {child.process.returncode}:\n{tail}")
+            if _healthy(child.url):
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{child.name} not healthy within {timeout_s}s; see {child.log_path}")
+            time.sleep(0.1)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def stop_child(self, name: str, *, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
+        child = self.child(name)
+        if child.process is None or child.process.poll() is not None:
+            return
+        child.process.send_signal(sig)
+        try:
+            child.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait(5)
+
+    def restart_child(self, name: str, ready_timeout_s: float = 30.0) -> None:
+        child = self.child(name)
+        self.stop_child(name)
+        log = child.log_path.open("ab")
+        child.process = subprocess.Popen(child.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+        log.close()
+        deadline = time.monotonic() + ready_timeout_s
+        while not _healthy(child.url):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not healthy after restart")
+            time.sleep(0.1)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM every service (front door first), wait, then kill stragglers; then NATS."""
+        for child in reversed(self.children):
+            if child.process is not None and child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.process.wait(5)
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=1.0) as response:
+            return bool(response.status == 200)
+    except Exception:
+        return False

@@ -1,0 +1,328 @@
+"""Every event ripplemesh services exchange, as frozen msgspec Structs.
+
+Conventions (see docs/architecture.md):
+- Each event is tagged by `type` (e.g. ``"request.prepared.v1"``); a breaking change is a new tag,
+  so old and new producers can share a stream during a rollout.
+- Each event carries `event_id` (sent as ``Nats-Msg-Id`` so JetStream drops duplicates and consumers
+  are idempotent on it), `occurred_at` (seconds since the Unix epoch) and the ids it concerns.
+- Trace context never travels in the payload, only in the NATS headers.
+- Decoding is strict: unknown tags, missing fields or wrong types are errors, never guesses.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Literal
+
+import msgspec
+
+PriorityClass = Literal["critical", "standard", "sheddable"]
+WorkerRole = Literal["prefill", "decode"]
+ServingMode = Literal["aggregated", "disaggregated"]
+RequestApi = Literal["chat", "completion", "nats"]
+
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+def derived_event_id(source_event_id: str, stage: str) -> str:
+    """A deterministic id for the event a handler emits in reaction to another event.
+
+    A redelivered input then produces the same output id, and JetStream's duplicate window
+    drops the second publish: handlers become idempotent without a lookup.
+    """
+    return uuid.uuid5(uuid.NAMESPACE_OID, f"{source_event_id}/{stage}").hex
+
+
+class Struct(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every nested value in the contract.
+
+    Unknown fields are ignored (a newer producer may add optional fields); wrong types, missing
+    required fields and unknown tags are errors.
+    """
+
+
+class Event(Struct, frozen=True, tag_field="type"):
+    """Base of every top-level event on the bus."""
+
+    event_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    occurred_at: NonNegativeFloat
+
+
+# ---------------------------------------------------------------- values
+
+
+class ChatMessage(Struct, frozen=True, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class WorkflowRef(Struct, frozen=True, kw_only=True):
+    """Which step of which multi-step task (an agent run) a request is."""
+
+    workflow_id: Identifier
+    step: PositiveInt
+    steps: PositiveInt | None = None
+
+
+class Usage(Struct, frozen=True, kw_only=True):
+    prompt_tokens: NonNegativeInt
+    completion_tokens: NonNegativeInt
+    cached_tokens: NonNegativeInt = 0
+
+
+class InferenceRequest(Struct, frozen=True, kw_only=True):
+    """A validated, tokenized request: what admission, router and workers act on."""
+
+    request_id: Identifier
+    tenant: Identifier
+    model: str
+    api: RequestApi
+    prompt_tokens: list[int]
+    block_size: PositiveInt
+    block_hashes: list[int]
+    max_tokens: PositiveInt
+    temperature: NonNegativeFloat = 0.0
+    priority: PriorityClass = "standard"
+    deadline_at: float | None = None
+    workflow: WorkflowRef | None = None
+    submitted_at: NonNegativeFloat
+
+
+class KvHandle(Struct, frozen=True, kw_only=True):
+    """Where a prefilled request's KV cache lives, for the decode worker to pull it."""
+
+    source_worker: Identifier
+    num_tokens: NonNegativeInt
+    block_hashes: list[int]
+    kv_bytes: NonNegativeInt
+    # Set when the KV itself travelled through the JetStream Object Store (real engines).
+    object_name: str | None = None
+
+
+class PoolView(Struct, frozen=True, kw_only=True):
+    pool: str
+    role: WorkerRole
+    gpu_type: str
+    replicas: NonNegativeInt
+    desired_replicas: NonNegativeInt
+    queue_depth: NonNegativeInt
+    running: NonNegativeInt
+    kv_utilisation: NonNegativeFloat
+    reason: str
+
+
+# ---------------------------------------------------------------- requests
+
+
+class SubmitRequest(Event, frozen=True, kw_only=True, tag="request.submit.v1"):
+    """What a client publishes to ``rmesh.req.<tenant>``; the tenant is the subject's."""
+
+    request_id: Identifier
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: PositiveInt = 256
+    temperature: NonNegativeFloat = 0.0
+    priority: PriorityClass = "standard"
+    deadline_ms: PositiveInt | None = None
+    workflow: WorkflowRef | None = None
+
+
+class RequestPrepared(Event, frozen=True, kw_only=True, tag="request.prepared.v1"):
+    request: InferenceRequest
+
+
+class RequestAdmitted(Event, frozen=True, kw_only=True, tag="request.admitted.v1"):
+    request: InferenceRequest
+    waited_s: NonNegativeFloat = 0.0
+
+
+class PrefillWork(Event, frozen=True, kw_only=True, tag="work.prefill.v1"):
+    request: InferenceRequest
+    prefill_worker: Identifier
+    decode_worker: Identifier
+
+
+class DecodeWork(Event, frozen=True, kw_only=True, tag="work.decode.v1"):
+    request: InferenceRequest
+    prefill_worker: Identifier
+    decode_worker: Identifier
+    kv: KvHandle
+    first_token_id: int
+    cached_tokens: NonNegativeInt
+
+
+# ---------------------------------------------------------------- lifecycle (rmesh.events.*)
+
+
+class RequestRejected(Event, frozen=True, kw_only=True, tag="request.rejected.v1"):
+    request_id: Identifier
+    tenant: Identifier
+    stage: Literal["ingress", "admission", "router"]
+    reason: Literal["quota", "capacity", "deadline", "invalid", "no_workers"]
+    message: str
+    retry_after_s: NonNegativeFloat | None = None
+
+
+class RequestRouted(Event, frozen=True, kw_only=True, tag="request.routed.v1"):
+    request_id: Identifier
+    tenant: Identifier
+    mode: ServingMode
+    prefill_worker: Identifier
+    decode_worker: Identifier
+    candidates: NonNegativeInt
+    # The chosen worker's load as the router saw it, for the decision's audit trail.
+    predicted_load: NonNegativeFloat
+
+
+class PrefillCompleted(Event, frozen=True, kw_only=True, tag="request.prefill_completed.v1"):
+    request_id: Identifier
+    tenant: Identifier
+    workflow_id: Identifier | None = None
+    worker_id: Identifier
+    gpu_type: str
+    gpu_seconds: NonNegativeFloat
+    prompt_tokens: NonNegativeInt
+    cached_tokens: NonNegativeInt
+    ttft_s: NonNegativeFloat
+
+
+class DecodeCompleted(Event, frozen=True, kw_only=True, tag="request.decode_completed.v1"):
+    request_id: Identifier
+    tenant: Identifier
+    workflow_id: Identifier | None = None
+    worker_id: Identifier
+    gpu_type: str
+    gpu_seconds: NonNegativeFloat
+    kv_transfer_bytes: NonNegativeInt
+    usage: Usage
+    finish_reason: Literal["stop", "length"]
+    latency_s: NonNegativeFloat
+
+
+class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):
+    request_id: Identifier
+    tenant: Identifier
+    workflow_id: Identifier | None = None
+    stage: str
+    worker_id: str | None = None
+    message: str
+
+
+class FleetObserved(Event, frozen=True, kw_only=True, tag="fleet.observed.v1"):
+    """The autoscaler's view of every pool and the size it would choose for each."""
+
+    pools: list[PoolView]
+
+
+# ---------------------------------------------------------------- tokens (rmesh.tokens.<tenant>.<id>)
+
+
+class TokenChunk(Event, frozen=True, kw_only=True, tag="tokens.chunk.v1"):
+    request_id: Identifier
+    seq: NonNegativeInt
+    token_ids: list[int]
+    text: str
+
+
+class StreamFinished(Event, frozen=True, kw_only=True, tag="tokens.finished.v1"):
+    request_id: Identifier
+    seq: NonNegativeInt
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+
+
+class StreamFailed(Event, frozen=True, kw_only=True, tag="tokens.failed.v1"):
+    request_id: Identifier
+    seq: NonNegativeInt
+    code: Literal["quota", "capacity", "deadline", "invalid", "no_workers", "internal"]
+    message: str
+    http_status: Annotated[int, msgspec.Meta(ge=400, le=599)]
+    retry_after_s: NonNegativeFloat | None = None
+
+
+# ---------------------------------------------------------------- state and dead letters
+
+
+class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
+    """A worker's heartbeat: its latest state, kept in the WORKERS KV bucket under its id."""
+
+    worker_id: Identifier
+    role: WorkerRole
+    pool: str
+    model: str
+    engine: str
+    gpu_type: str
+    price_per_hour: NonNegativeFloat
+    block_size: PositiveInt
+    kv_blocks_total: NonNegativeInt
+    kv_blocks_used: NonNegativeInt
+    kv_blocks_cached: NonNegativeInt
+    queue_depth: NonNegativeInt
+    running: NonNegativeInt
+    tokens_per_s: NonNegativeFloat
+    started_at: NonNegativeFloat
+    draining: bool = False
+
+
+class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.message.v1"):
+    """A message a consumer could not decode or process, kept with the reason."""
+
+    stream: str
+    consumer: str
+    subject: str
+    reason: str
+    num_delivered: NonNegativeInt
+    headers: dict[str, str]
+    data: bytes
+
+
+# ---------------------------------------------------------------- unions, one per subject family
+
+LifecycleEvent = (
+    RequestRejected
+    | RequestRouted
+    | PrefillCompleted
+    | DecodeCompleted
+    | RequestFailed
+    | FleetObserved
+)
+TokenEvent = TokenChunk | StreamFinished | StreamFailed
+WorkItem = PrefillWork | DecodeWork
+AnyEvent = (
+    SubmitRequest
+    | RequestPrepared
+    | RequestAdmitted
+    | PrefillWork
+    | DecodeWork
+    | RequestRejected
+    | RequestRouted
+    | PrefillCompleted
+    | DecodeCompleted
+    | RequestFailed
+    | FleetObserved
+    | TokenChunk
+    | StreamFinished
+    | StreamFailed
+    | WorkerState
+    | DeadLetter
+)
+
+_encoder = msgspec.json.Encoder()
+_any_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes) -> AnyEvent:
+    """Strictly decode any event of the contract; raises msgspec.ValidationError or DecodeError."""
+    return _any_decoder.decode(data)

@@ -1,0 +1,1 @@
+"""Inference engines behind one async protocol (`base.Engine`): sim, hf, vllm."""

@@ -1,0 +1,30 @@
+"""Build the engine a worker runs, from its command-line settings and the mesh config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.engines.base import Engine, RealClock
+from services.mesh.config import MeshConfig
+
+ENGINES = ("sim",)
+
+
+def make_engine(settings: dict[str, Any], config: MeshConfig) -> Engine:
+    kind = settings.get("engine", "sim")
+    model_name = settings.get("model") or config.models[0].name
+    model = config.model(model_name)
+    if model is None:
+        raise ValueError(f"model {model_name!r} is not in the mesh config")
+    if kind == "sim":
+        from services.engines.sim.engine import SimEngine
+
+        return SimEngine(
+            model=model.name,
+            shape=model.shape,
+            gpu_type=settings.get("gpu", "H100"),
+            block_size=config.block_size,
+            clock=RealClock(float(settings.get("time_scale", 1.0))),
+            max_context_tokens=model.max_context_tokens,
+        )
+    raise ValueError(f"unknown engine {kind!r}; available here: {', '.join(ENGINES)}")

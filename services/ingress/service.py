@@ -1,0 +1,390 @@
+"""Ingress: the OpenAI-compatible HTTP API and the NATS submit path.
+
+HTTP: authenticate (API key -> tenant), validate, tokenize and hash (`prepare`), publish a
+`RequestPrepared`, then relay the request's token stream as SSE (or one JSON body).
+NATS: consume `SubmitRequest`s from ``rmesh.req.<tenant>`` (the tenant is the subject's), prepare
+them the same way; the client reads its tokens from ``rmesh.tokens.<tenant>.<request_id>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar, Literal
+
+import msgspec
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Histogram
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from schemas.events import (
+    PriorityClass,
+    RequestPrepared,
+    RequestRejected,
+    StreamFailed,
+    StreamFinished,
+    SubmitRequest,
+    TokenChunk,
+    TokenEvent,
+    WorkflowRef,
+    derived_event_id,
+    new_event_id,
+)
+from schemas.subjects import (
+    INGRESS_CONSUMER,
+    event_subject,
+    prepared_subject,
+    tenant_of,
+    tokens_subject,
+)
+from services.ingress.openai_api import (
+    ChatCompletionBody,
+    CompletionBody,
+    ResponseShape,
+    error_body,
+)
+from services.ingress.prepare import ClientRequest, InvalidRequest, prepare, render_chat
+from services.mesh.consumer import Delivery
+from services.mesh.runtime import Runtime
+from services.mesh.token_stream import StreamTimeout, TokenStream
+from services.mesh.tracing import REQUEST_ID, tracer
+
+log = logging.getLogger(__name__)
+
+HTTP_REQUESTS = Counter(
+    "ripplemesh_ingress_http_requests_total", "HTTP API requests by route and status.",
+    ["route", "status"],
+)
+TTFT = Histogram(
+    "ripplemesh_ingress_ttft_seconds", "Time to first token seen by the ingress.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+NATS_SUBMISSIONS = Counter(
+    "ripplemesh_ingress_nats_submissions_total", "Requests submitted over NATS, by outcome.",
+    ["outcome"],
+)
+
+PRIORITIES: tuple[PriorityClass, ...] = ("critical", "standard", "sheddable")
+
+
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None,
+           retry_after_s: float | None = None) -> JSONResponse:
+    type_ = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
+    return JSONResponse(error_body(message, type_=type_, param=param, code=code),
+                        status_code=status, headers=headers)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _ripple_headers(request: Request) -> tuple[PriorityClass, int | None, WorkflowRef | None]:
+    """The optional `x-ripple-*` headers; a malformed one is a 400 naming it."""
+    headers = request.headers
+    priority = headers.get("x-ripple-priority", "standard")
+    if priority not in PRIORITIES:
+        raise InvalidRequest(f"x-ripple-priority must be one of {', '.join(PRIORITIES)}",
+                             param="x-ripple-priority")
+
+    def integer(name: str) -> int | None:
+        raw = headers.get(name)
+        if raw is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise InvalidRequest(f"{name} must be an integer", param=name) from None
+        if value < 1 or value > 10**9:
+            raise InvalidRequest(f"{name} must be between 1 and 1000000000", param=name)
+        return value
+
+    deadline_ms = integer("x-ripple-deadline-ms")
+    workflow = None
+    workflow_id = headers.get("x-ripple-workflow-id")
+    if workflow_id is not None:
+        try:
+            workflow = msgspec.convert(
+                {"workflow_id": workflow_id, "step": integer("x-ripple-workflow-step") or 1,
+                 "steps": integer("x-ripple-workflow-steps")},
+                WorkflowRef,
+            )
+        except msgspec.ValidationError:
+            raise InvalidRequest("x-ripple-workflow-id must be 1-128 characters of [A-Za-z0-9_-]",
+                                 param="x-ripple-workflow-id") from None
+    return priority, deadline_ms, workflow  # type: ignore[return-value]
+
+
+def _field_of(exc: msgspec.ValidationError) -> str | None:
+    # msgspec says "... - at `$.messages[0].role`"; the field is what follows `$.`.
+    text = str(exc)
+    marker = "at `$."
+    if marker in text:
+        return text.split(marker, 1)[1].rstrip("`")
+    return None
+
+
+class IngressService:
+    name: ClassVar[str] = "ingress"
+
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        await runtime.consume(INGRESS_CONSUMER, SubmitRequest, self._on_submission, max_inflight=256)
+
+    async def stop(self) -> None:
+        return None
+
+    def health(self) -> dict[str, Any]:
+        return {}
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+        ]
+
+    @property
+    def _rt(self) -> Runtime:
+        if self.runtime is None:
+            raise RuntimeError("ingress not started")
+        return self.runtime
+
+    # ------------------------------------------------------------ HTTP
+
+    def _authenticate(self, request: Request) -> str | None:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        return self._rt.config.tenant_for_api_key(key) if key else None
+
+    async def _models(self, request: Request) -> Response:
+        if self._authenticate(request) is None:
+            return _error(401, "invalid or missing API key", code="invalid_api_key")
+        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "ripplemesh"}
+                for m in self._rt.config.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._serve(request, "completion")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self._rt.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise InvalidRequest(f"the request body exceeds {limit} bytes", status=413)
+        body = bytearray()
+        async for part in request.stream():
+            body.extend(part)
+            if len(body) > limit:
+                raise InvalidRequest(f"the request body exceeds {limit} bytes", status=413)
+        return bytes(body)
+
+    async def _serve(self, request: Request, api: Literal["chat", "completion"]) -> Response:
+        route = request.url.path
+        with tracer().start_as_current_span(
+            f"POST {route}", kind=SpanKind.SERVER,
+            attributes={"http.request.method": "POST", "http.route": route},
+        ) as span:
+            response = await self._serve_traced(request, api, span)
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            HTTP_REQUESTS.labels(route, str(response.status_code)).inc()
+            return response
+
+    async def _serve_traced(self, request: Request, api: Literal["chat", "completion"],
+                            span: Any) -> Response:
+        tenant = self._authenticate(request)
+        if tenant is None:
+            return _error(401, "invalid or missing API key", code="invalid_api_key")
+        request_id = uuid.uuid4().hex
+        span.set_attribute(REQUEST_ID, request_id)
+        span.set_attribute("ripple.tenant", tenant)
+        try:
+            raw = await self._read_body(request)
+            client_request, stream, include_usage = self._parse(raw, api, request, tenant, request_id)
+            prepared = prepare(client_request, self._rt.config, time.time())
+        except InvalidRequest as exc:
+            return _error(exc.status, exc.message, param=exc.param, code=exc.code)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        span.set_attribute("gen_ai.request.model", prepared.model)
+        span.set_attribute("gen_ai.usage.input_tokens", len(prepared.prompt_tokens))
+
+        tokens = TokenStream(
+            self._rt.bus.nc, tokens_subject(tenant, request_id),
+            first_event_timeout_s=self._rt.config.first_token_timeout_s,
+            idle_timeout_s=self._rt.config.stream_idle_timeout_s,
+        )
+        await tokens.open()
+        events = tokens.events()
+        try:
+            await self._rt.bus.publish(
+                prepared_subject(tenant),
+                RequestPrepared(event_id=new_event_id(), occurred_at=time.time(), request=prepared),
+            )
+            # Wait for the first event before answering, so a rejection gets its HTTP status.
+            first = await anext(events)
+        except StreamTimeout as exc:
+            await tokens.close()
+            return _error(504, f"no response from the mesh: {exc}", code="timeout")
+        except Exception as exc:
+            await tokens.close()
+            log.exception("request could not be submitted")
+            return _error(503, f"the mesh is unavailable: {exc!r}", code="unavailable")
+        if isinstance(first, StreamFailed):
+            await tokens.close()
+            return _error(first.http_status, first.message, code=first.code,
+                          retry_after_s=first.retry_after_s)
+        TTFT.observe(time.time() - prepared.submitted_at)
+        shape = ResponseShape(api, request_id, prepared.model)
+        if stream:
+            return StreamingResponse(
+                self._sse(shape, first, events, tokens, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Ripple-Request-Id": request_id},
+            )
+        return await self._collect(shape, first, events, tokens)
+
+    def _parse(self, raw: bytes, api: Literal["chat", "completion"], request: Request,
+               tenant: str, request_id: str) -> tuple[ClientRequest, bool, bool]:
+        try:
+            if api == "chat":
+                chat = msgspec.json.decode(raw, type=ChatCompletionBody)
+                prompt = render_chat(chat.messages)
+                max_tokens = chat.max_completion_tokens or chat.max_tokens or 256
+                model, temperature, stream, options = chat.model, chat.temperature, chat.stream, chat.stream_options
+            else:
+                completion = msgspec.json.decode(raw, type=CompletionBody)
+                if isinstance(completion.prompt, list):
+                    if len(completion.prompt) != 1:
+                        raise InvalidRequest("prompt must be a string or a list of one string",
+                                             param="prompt")
+                    prompt = completion.prompt[0]
+                else:
+                    prompt = completion.prompt
+                max_tokens = completion.max_tokens
+                model, temperature = completion.model, completion.temperature
+                stream, options = completion.stream, completion.stream_options
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"invalid request body: {exc}", param=_field_of(exc)) from None
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        priority, deadline_ms, workflow = _ripple_headers(request)
+        client_request = ClientRequest(
+            request_id=request_id, tenant=tenant, model=model, api=api, prompt=prompt,
+            max_tokens=max_tokens, temperature=temperature, priority=priority,
+            deadline_ms=deadline_ms, workflow=workflow,
+        )
+        return client_request, stream, bool(options and options.include_usage)
+
+    async def _sse(self, shape: ResponseShape, first: TokenEvent, events: AsyncIterator[TokenEvent],
+                   tokens: TokenStream, include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            event: TokenEvent | None = first
+            is_first = True
+            while event is not None:
+                if isinstance(event, TokenChunk):
+                    yield _sse(shape.chunk(event.text, None, first=is_first))
+                    is_first = False
+                elif isinstance(event, StreamFinished):
+                    yield _sse(shape.chunk("", event.finish_reason, first=is_first))
+                    if include_usage:
+                        yield _sse(shape.usage_chunk(event.usage))
+                    break
+                else:
+                    yield _sse(error_body(event.message, type_="server_error", code=event.code))
+                    break
+                event = await anext(events, None)
+            yield _sse("[DONE]")
+        except StreamTimeout as exc:
+            yield _sse(error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout"))
+            yield _sse("[DONE]")
+        finally:
+            await tokens.close()
+
+    async def _collect(self, shape: ResponseShape, first: TokenEvent,
+                       events: AsyncIterator[TokenEvent], tokens: TokenStream) -> Response:
+        parts: list[str] = []
+        try:
+            event: TokenEvent | None = first
+            while event is not None:
+                if isinstance(event, TokenChunk):
+                    parts.append(event.text)
+                elif isinstance(event, StreamFinished):
+                    return JSONResponse(shape.complete("".join(parts), event.finish_reason, event.usage))
+                else:
+                    return _error(event.http_status, event.message, code=event.code,
+                                  retry_after_s=event.retry_after_s)
+                event = await anext(events, None)
+            return _error(502, "the stream ended without a final event", code="internal")
+        except StreamTimeout as exc:
+            return _error(504, f"the stream stalled: {exc}", code="timeout")
+        finally:
+            await tokens.close()
+
+    # ------------------------------------------------------------ NATS submissions
+
+    async def _on_submission(self, submission: SubmitRequest, delivery: Delivery) -> None:
+        tenant = tenant_of(delivery.subject)
+        out_subject = tokens_subject(tenant, submission.request_id)
+        try:
+            if tenant not in self._rt.config.tenants:
+                raise InvalidRequest(f"unknown tenant {tenant!r}", status=403, code="unknown_tenant")
+            if (submission.prompt is None) == (submission.messages is None):
+                raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
+            prompt = submission.prompt if submission.prompt is not None else render_chat(
+                submission.messages or [])
+            prepared = prepare(
+                ClientRequest(
+                    request_id=submission.request_id, tenant=tenant, model=submission.model,
+                    api="nats", prompt=prompt, max_tokens=submission.max_tokens,
+                    temperature=submission.temperature, priority=submission.priority,
+                    deadline_ms=submission.deadline_ms, workflow=submission.workflow,
+                ),
+                self._rt.config, submission.occurred_at or time.time(),
+            )
+        except InvalidRequest as exc:
+            NATS_SUBMISSIONS.labels("invalid").inc()
+            await self._reject_submission(submission, tenant, out_subject, exc)
+            return
+        await self._rt.bus.publish(
+            prepared_subject(tenant),
+            RequestPrepared(
+                event_id=derived_event_id(submission.event_id, "prepared"),
+                occurred_at=time.time(),
+                request=prepared,
+            ),
+        )
+        NATS_SUBMISSIONS.labels("accepted").inc()
+
+    async def _reject_submission(self, submission: SubmitRequest, tenant: str, out_subject: str,
+                                 exc: InvalidRequest) -> None:
+        now = time.time()
+        await self._rt.bus.publish(
+            out_subject,
+            StreamFailed(event_id=derived_event_id(submission.event_id, "failed"), occurred_at=now,
+                         request_id=submission.request_id, seq=0, code="invalid",
+                         message=exc.message, http_status=exc.status),
+        )
+        await self._rt.bus.publish(
+            event_subject("rejected"),
+            RequestRejected(event_id=derived_event_id(submission.event_id, "rejected"),
+                            occurred_at=now, request_id=submission.request_id, tenant=tenant,
+                            stage="ingress", reason="invalid", message=exc.message),
+        )

@@ -1,0 +1,83 @@
+"""Mesh configuration: tenants, models, limits and prices, from one TOML file.
+
+The file is ``--config``, else ``$RIPPLEMESH_CONFIG``, else the packaged default
+(`default_config.toml`, a demo tenant and a simulated Llama-3-8B). Runtime locations (the NATS
+URL, the data directory) come from the command line or the environment, not from this file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from schemas.events import PriorityClass
+
+DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
+
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class TenantConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # API keys are stored only as SHA-256 hex digests.
+    api_keys_sha256: list[str]
+    priority: PriorityClass = "standard"
+    requests_per_s: PositiveFloat = 20.0
+    request_burst: PositiveFloat = 40.0
+    tokens_per_s: PositiveFloat = 200_000.0
+    token_burst: PositiveFloat = 800_000.0
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    # The sim engine's model shape (services/engines/sim/profiles.py).
+    shape: str = "llama-3-8b"
+    max_context_tokens: int = 8192
+
+
+class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+    max_prompt_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
+    # A client always gets tokens or an error within these.
+    first_token_timeout_s: PositiveFloat = 60.0
+    stream_idle_timeout_s: PositiveFloat = 30.0
+    models: list[ModelConfig]
+    tenants: dict[str, TenantConfig]
+    gpu_prices_per_hour: dict[str, PositiveFloat]
+
+    def tenant_for_api_key(self, api_key: str) -> str | None:
+        digest = hashlib.sha256(api_key.encode()).hexdigest()
+        for name, tenant in self.tenants.items():
+            if digest in tenant.api_keys_sha256:
+                return name
+        return None
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def config_path(explicit: str | Path | None = None) -> Path:
+    chosen = explicit or os.environ.get("RIPPLEMESH_CONFIG")
+    return Path(chosen) if chosen else DEFAULT_CONFIG
+
+
+def load_config(path: str | Path | None = None) -> MeshConfig:
+    source = config_path(path)
+    try:
+        return msgspec.toml.decode(source.read_bytes(), type=MeshConfig)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {source}") from exc
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("RIPPLEMESH_DATA_DIR", ".ripplemesh")).resolve()

@@ -1,0 +1,367 @@
+"""The consume loop every service uses for its durable JetStream consumers.
+
+Contract (docs/architecture.md, "Reliability"):
+- decode strictly into the consumer's event type; an undecodable message is dead-lettered to
+  ``rmesh.dlq.<stream>`` with the reason and acked: it never stops the consumer;
+- call the handler inside a consumer span whose parent is the message's creation context;
+- ack only after the handler's effect; skip an `event_id` already handled (redelivery);
+- on a transient error, nak with a growing delay; past ``max_deliver`` dead-letter with the reason;
+  a `PermanentError` is dead-lettered at once;
+- a long handler reports progress so its message is not redelivered to another replica;
+- messages the server gave up on after ``max_deliver`` ack timeouts are dead-lettered too.
+
+Messages are pulled continuously (one outstanding pull sized by free capacity), so a message is
+handled as soon as it arrives rather than when a batch fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Histogram
+
+from schemas.events import DeadLetter, derived_event_id, new_event_id
+from schemas.subjects import ConsumerSpec, dlq_subject
+from services.mesh.bus import Bus
+from services.mesh.tracing import REQUEST_ID, extract_context, subject_family, tracer
+
+log = logging.getLogger(__name__)
+
+E = TypeVar("E")
+
+MESSAGES = Counter(
+    "ripplemesh_consumer_messages_total",
+    "Messages handled by a consumer, by outcome.",
+    ["consumer", "outcome"],
+)
+HANDLER_SECONDS = Histogram(
+    "ripplemesh_consumer_handler_seconds",
+    "Time from delivery to ack.",
+    ["consumer"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+PULL_EXPIRES_S = 5.0
+PULL_HEARTBEAT_S = 1.0
+MAX_PULL_BATCH = 256
+SEEN_IDS_KEPT = 50_000
+
+
+class PermanentError(Exception):
+    """The message is valid but can never be processed: dead-letter it now, do not retry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    subject: str
+    headers: dict[str, str]
+    num_delivered: int
+    stream_seq: int
+
+
+Handler = Callable[[E, Delivery], Awaitable[None]]
+
+
+class _SeenIds:
+    """Recently handled event ids (bounded): a redelivered message is acked, not reprocessed."""
+
+    def __init__(self, capacity: int = SEEN_IDS_KEPT):
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._capacity = capacity
+
+    def __contains__(self, event_id: str) -> bool:
+        return event_id in self._ids
+
+    def add(self, event_id: str) -> None:
+        self._ids[event_id] = None
+        if len(self._ids) > self._capacity:
+            self._ids.popitem(last=False)
+
+
+class PullFeed:
+    """Keeps one pull request outstanding on a durable consumer and yields messages as they come."""
+
+    def __init__(self, bus: Bus, stream: str, durable: str, free_capacity: Callable[[], int],
+                 capacity_freed: asyncio.Event):
+        self._bus = bus
+        self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._free_capacity = free_capacity
+        self._capacity_freed = capacity_freed
+        self._queue: asyncio.Queue[Msg | None] = asyncio.Queue()
+        self._sub: Subscription | None = None
+        self._inbox = ""
+        self._stopping = False
+
+    async def start(self) -> None:
+        self._inbox = self._bus.nc.new_inbox()
+
+        async def on_msg(msg: Msg) -> None:
+            self._queue.put_nowait(msg)
+
+        self._sub = await self._bus.nc.subscribe(self._inbox, cb=on_msg)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._queue.put_nowait(None)
+        self._capacity_freed.set()
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def messages(self) -> AsyncIterator[Msg]:
+        while not self._stopping:
+            free = min(self._free_capacity(), MAX_PULL_BATCH)
+            if free <= 0:
+                self._capacity_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._capacity_freed.wait(), timeout=1.0)
+                continue
+            request = {
+                "batch": free,
+                "expires": int(PULL_EXPIRES_S * 1e9),
+                "idle_heartbeat": int(PULL_HEARTBEAT_S * 1e9),
+            }
+            try:
+                await self._bus.nc.publish(self._api, json.dumps(request).encode(), reply=self._inbox)
+            except Exception as exc:  # disconnected: the client reconnects, we retry
+                log.warning("pull request failed", extra={"error": repr(exc)})
+                await asyncio.sleep(0.25)
+                continue
+            remaining = free
+            while remaining > 0 and not self._stopping:
+                try:
+                    # Silence past a few heartbeats means the pull was lost (reconnect): reissue.
+                    msg = await asyncio.wait_for(self._queue.get(), timeout=PULL_HEARTBEAT_S * 3)
+                except TimeoutError:
+                    break
+                if msg is None:
+                    return
+                status = msg.headers.get("Status") if msg.headers else None
+                if status is not None and not msg.data:
+                    if status == "100":
+                        continue  # idle heartbeat
+                    break  # 404 no messages / 408 expired / 409 limits: this pull is over
+                remaining -= 1
+                yield msg
+
+
+class Consumer(Generic[E]):
+    """Runs one durable consumer's loop until stopped. See the module docstring for the contract."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        spec: ConsumerSpec,
+        event_type: Any,
+        handler: Handler[E],
+        *,
+        max_inflight: int = 64,
+    ):
+        self.bus = bus
+        self.spec = spec
+        self.handler = handler
+        self.max_inflight = max_inflight
+        self._decoder: msgspec.json.Decoder[E] = msgspec.json.Decoder(event_type)
+        self._seen = _SeenIds()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._capacity_freed = asyncio.Event()
+        self._feed = PullFeed(bus, spec.stream, spec.durable, self._free, self._capacity_freed)
+        self._loop_task: asyncio.Task[None] | None = None
+        self._advisory_sub: Subscription | None = None
+
+    def _free(self) -> int:
+        return self.max_inflight - len(self._inflight)
+
+    async def start(self) -> None:
+        await self.bus.ensure_consumer(self.spec)
+        await self._feed.start()
+        advisory = (
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream}.{self.spec.durable}"
+        )
+        self._advisory_sub = await self.bus.nc.subscribe(advisory, cb=self._on_max_deliveries)
+        self._loop_task = asyncio.create_task(self._run(), name=f"consume-{self.spec.durable}")
+
+    async def _run(self) -> None:
+        async for msg in self._feed.messages():
+            task = asyncio.create_task(self._handle(msg))
+            self._inflight.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._capacity_freed.set()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop fetching, let in-flight handlers finish (up to `grace_s`), then cancel the rest."""
+        self._feed.stop()
+        if self._loop_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._loop_task, timeout=2.0)
+        if self._inflight:
+            _, pending = await asyncio.wait(set(self._inflight), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
+        await self._feed.close()
+        if self._advisory_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._advisory_sub.unsubscribe()
+
+    # ------------------------------------------------------------ one message
+
+    async def _handle(self, msg: Msg) -> None:
+        started = time.perf_counter()
+        name = self.spec.durable
+        headers = dict(msg.headers or {})
+        try:
+            meta = msg.metadata
+            delivery = Delivery(msg.subject, headers, meta.num_delivered, meta.sequence.stream)
+        except Exception:
+            delivery = Delivery(msg.subject, headers, 1, 0)
+        try:
+            event = self._decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._dead_letter(msg, delivery, f"undecodable: {exc}")
+            MESSAGES.labels(name, "dead_lettered").inc()
+            return
+        event_id: str = getattr(event, "event_id", "")
+        if event_id and event_id in self._seen:
+            await self._ack(msg)
+            MESSAGES.labels(name, "duplicate").inc()
+            return
+        with tracer().start_as_current_span(
+            f"process {subject_family(msg.subject)}",
+            context=extract_context(headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "messaging.system": "nats",
+                "messaging.operation.type": "process",
+                "messaging.destination.name": msg.subject,
+                "messaging.consumer.group.name": name,
+                "messaging.message.id": event_id,
+                "messaging.message.delivery_count": delivery.num_delivered,
+                **_request_id_attribute(event),
+            },
+        ) as span:
+            progress = asyncio.create_task(self._report_progress(msg))
+            try:
+                await self.handler(event, delivery)
+            except asyncio.CancelledError:
+                # Shutdown mid-handler: leave it unacked; it is redelivered to a live replica.
+                raise
+            except PermanentError as exc:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                await self._dead_letter(msg, delivery, f"rejected by handler: {exc}")
+                MESSAGES.labels(name, "dead_lettered").inc()
+                return
+            except Exception as exc:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, repr(exc)))
+                await self._retry_or_dead_letter(msg, delivery, exc)
+                return
+            finally:
+                progress.cancel()
+        if event_id:
+            self._seen.add(event_id)
+        await self._ack(msg)
+        MESSAGES.labels(name, "ok").inc()
+        HANDLER_SECONDS.labels(name).observe(time.perf_counter() - started)
+
+    async def _report_progress(self, msg: Msg) -> None:
+        interval = max(self.spec.ack_wait_s / 3, 0.5)
+        with contextlib.suppress(Exception):
+            while True:
+                await asyncio.sleep(interval)
+                await msg.in_progress()
+
+    async def _retry_or_dead_letter(self, msg: Msg, delivery: Delivery, exc: Exception) -> None:
+        attempt = delivery.num_delivered
+        if attempt >= self.spec.max_deliver:
+            await self._dead_letter(msg, delivery, f"failed after {attempt} deliveries: {exc!r}")
+            MESSAGES.labels(self.spec.durable, "dead_lettered").inc()
+            return
+        backoff = self.spec.backoff_s[min(attempt - 1, len(self.spec.backoff_s) - 1)]
+        log.warning(
+            "handler failed; will retry",
+            extra={"consumer": self.spec.durable, "attempt": attempt, "error": repr(exc)},
+        )
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=backoff)
+        MESSAGES.labels(self.spec.durable, "retried").inc()
+
+    async def _dead_letter(self, msg: Msg, delivery: Delivery, reason: str) -> None:
+        letter = DeadLetter(
+            event_id=new_event_id(),
+            occurred_at=time.time(),
+            stream=self.spec.stream,
+            consumer=self.spec.durable,
+            subject=msg.subject,
+            reason=reason[:2000],
+            num_delivered=delivery.num_delivered,
+            headers=delivery.headers,
+            data=msg.data,
+        )
+        log.warning("dead-lettered", extra={"consumer": self.spec.durable, "reason": reason[:300]})
+        try:
+            await self.bus.publish(dlq_subject(self.spec.stream), letter)
+        except Exception as exc:
+            # Nothing is lost: without a dead letter stored the message stays on its stream.
+            log.error("dead-letter publish failed", extra={"error": repr(exc)})
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return
+        await self._ack(msg)
+
+    async def _ack(self, msg: Msg) -> None:
+        try:
+            await msg.ack()
+        except Exception as exc:  # connection lost: the message is redelivered and deduplicated
+            log.warning("ack failed", extra={"error": repr(exc)})
+
+    async def _on_max_deliveries(self, advisory: Msg) -> None:
+        """The server gave up on a message (ack timeouts): copy it to the dead-letter stream."""
+        try:
+            body = json.loads(advisory.data)
+            seq = int(body["stream_seq"])
+            stored = await self.bus.js.get_msg(self.spec.stream, seq)
+            letter = DeadLetter(
+                # Every replica of this consumer hears the advisory; one id stores it once.
+                event_id=derived_event_id(f"{self.spec.stream}:{seq}", "max_deliveries"),
+                occurred_at=time.time(),
+                stream=self.spec.stream,
+                consumer=self.spec.durable,
+                subject=stored.subject or "",
+                reason=f"not acked after max_deliver={body.get('deliveries')} deliveries",
+                num_delivered=int(body.get("deliveries", 0)),
+                headers=dict(stored.headers or {}),
+                data=stored.data or b"",
+            )
+            await self.bus.publish(dlq_subject(self.spec.stream), letter)
+            with contextlib.suppress(Exception):
+                await self.bus.js.delete_msg(self.spec.stream, seq)
+        except Exception as exc:
+            log.error("max-deliveries advisory not handled", extra={"error": repr(exc)})
+
+
+def _request_id_attribute(event: object) -> dict[str, str]:
+    request_id = getattr(event, "request_id", None)
+    if request_id is None:
+        inner = getattr(event, "request", None)
+        request_id = getattr(inner, "request_id", None)
+    return {REQUEST_ID: request_id} if isinstance(request_id, str) else {}
+

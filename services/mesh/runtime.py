@@ -1,0 +1,219 @@
+"""The process shell every service runs in.
+
+`run_service(service, options)` connects to the bus, provisions streams, serves ``/metrics`` and
+``/healthz``, starts the service, and on SIGTERM/SIGINT shuts down in order: stop fetching,
+finish in-flight handlers, stop the service, cancel background tasks, drain NATS, flush spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from schemas.subjects import ConsumerSpec
+from services.mesh.bus import Bus
+from services.mesh.config import MeshConfig
+from services.mesh.consumer import Consumer, Handler
+from services.mesh.tracing import setup_tracing, shutdown_tracing
+
+log = logging.getLogger("ripplemesh")
+
+UP = Gauge("ripplemesh_service_up", "1 while the service is serving.", ["service"])
+
+_STANDARD_LOG_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line, with the service name and any `extra=` fields."""
+
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD_LOG_FIELDS:
+                entry[key] = value
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(service: str, level: str | None = None) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level or os.environ.get("RIPPLEMESH_LOG_LEVEL", "INFO"))
+    for noisy in ("uvicorn.access", "nats"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    nats_url: str
+    data_dir: Path
+    config: MeshConfig
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    # Service-specific settings (worker id, engine, GPU type...), from the command line.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Service(Protocol):
+    name: ClassVar[str]
+
+    async def start(self, runtime: Runtime) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def routes(self) -> list[BaseRoute]: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the runtime owns shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Runtime:
+    """What a running service holds: its bus, its consumers and its background tasks."""
+
+    def __init__(self, service_name: str, options: ServiceOptions, bus: Bus):
+        self.service_name = service_name
+        self.options = options
+        self.config = options.config
+        self.bus = bus
+        self.consumers: list[Consumer[Any]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.started_at = time.time()
+
+    async def consume(
+        self, spec: ConsumerSpec, event_type: Any, handler: Handler[Any], *, max_inflight: int = 64
+    ) -> Consumer[Any]:
+        consumer: Consumer[Any] = Consumer(self.bus, spec, event_type, handler, max_inflight=max_inflight)
+        await consumer.start()
+        self.consumers.append(consumer)
+        return consumer
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """A background task, logged if it fails and cancelled on shutdown."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("background task failed", extra={"task": name, "error": repr(t.exception())})
+
+        task.add_done_callback(done)
+        return task
+
+    async def every(self, interval_s: float, tick: Callable[[], Awaitable[None]], name: str) -> None:
+        """Run `tick` every `interval_s` until cancelled; a failing tick is logged, not fatal."""
+        while True:
+            try:
+                await tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("periodic task failed", extra={"task": name, "error": repr(exc)})
+            await asyncio.sleep(interval_s)
+
+    async def stop_consumers(self, grace_s: float = 10.0) -> None:
+        await asyncio.gather(*(c.stop(grace_s) for c in self.consumers), return_exceptions=True)
+
+    async def cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5.0)
+
+
+def _http_app(runtime_ref: dict[str, Any], service: Service) -> Starlette:
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(_: Request) -> Response:
+        runtime: Runtime | None = runtime_ref.get("runtime")
+        ready = runtime is not None and runtime_ref.get("ready", False)
+        connected = bool(runtime and runtime.bus.nc.is_connected)
+        body = {"service": service.name, "ready": ready, "nats_connected": connected, **service.health()}
+        return JSONResponse(body, status_code=200 if ready and connected else 503)
+
+    routes: list[BaseRoute] = [Route("/metrics", metrics), Route("/healthz", healthz), *service.routes()]
+    return Starlette(routes=routes)
+
+
+async def run_service(service: Service, options: ServiceOptions) -> None:
+    """Run one service until SIGTERM/SIGINT, then shut it down gracefully."""
+    setup_tracing(service.name, options.data_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    runtime_ref: dict[str, Any] = {}
+    server = _QuietServer(
+        uvicorn.Config(
+            _http_app(runtime_ref, service),
+            host=options.http_host,
+            port=options.http_port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    server_task = asyncio.create_task(server.serve(), name="http")
+    bus = await Bus.connect(options.nats_url, service.name)
+    await bus.provision()
+    runtime = Runtime(service.name, options, bus)
+    runtime_ref["runtime"] = runtime
+    await service.start(runtime)
+    runtime_ref["ready"] = True
+    UP.labels(service.name).set(1)
+    log.info("service started", extra={"nats_url": options.nats_url, "http_port": options.http_port})
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        runtime_ref["ready"] = False
+        UP.labels(service.name).set(0)
+        await runtime.stop_consumers()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(service.stop(), timeout=15.0)
+        await runtime.cancel_tasks()
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server_task, timeout=6.0)
+        await bus.close()
+        shutdown_tracing()
+        log.info("stopped")

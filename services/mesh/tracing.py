@@ -1,0 +1,127 @@
+"""OpenTelemetry set-up: one TracerProvider per service process.
+
+With an `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) set, spans go to that collector
+over OTLP/HTTP. With none, they are appended as JSON lines under ``<data_dir>/traces/`` so that
+``ripplemesh trace <request_id>`` can show a request's tree without any collector.
+
+Trace context crosses the bus in NATS headers (W3C ``traceparent``/``tracestate``), following the
+OTel messaging conventions: a producer span per publish, and a consumer "process" span per
+delivery whose parent is the context the message was created in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+# Attribute every span about one request carries, so the request's trace can be found.
+REQUEST_ID = "ripple.request_id"
+
+_provider: TracerProvider | None = None
+
+
+class LocalSpanExporter(SpanExporter):
+    """Appends finished spans to a JSON-lines file, one file per process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(span_to_dict(span), default=str) for span in spans]
+        with self._lock, self.path.open("a", encoding="utf-8") as out:
+            out.write("\n".join(lines) + "\n")
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "trace_id": format(ctx.trace_id, "032x") if ctx else None,
+        "span_id": format(ctx.span_id, "016x") if ctx else None,
+        "parent_id": format(parent.span_id, "016x") if parent else None,
+        "name": span.name,
+        "kind": span.kind.name if span.kind else None,
+        "service": span.resource.attributes.get("service.name"),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": dict(span.attributes or {}),
+        "links": [
+            {"trace_id": format(link.context.trace_id, "032x"),
+             "span_id": format(link.context.span_id, "016x")}
+            for link in span.links
+        ],
+    }
+
+
+def otlp_configured() -> bool:
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def setup_tracing(service: str, data_dir: Path) -> TracerProvider:
+    """Install this process's TracerProvider (idempotent)."""
+    global _provider
+    if _provider is not None:
+        return _provider
+    resource = Resource.create({"service.name": f"ripplemesh-{service}", "service.namespace": "ripplemesh"})
+    provider = TracerProvider(resource=resource)
+    exporter: SpanExporter
+    if otlp_configured():
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter()
+    else:
+        exporter = LocalSpanExporter(traces_dir(data_dir) / f"{service}-{os.getpid()}.jsonl")
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    global _provider
+    if _provider is not None:
+        _provider.force_flush(timeout_millis=3000)
+        _provider.shutdown()
+        _provider = None
+
+
+def traces_dir(data_dir: Path) -> Path:
+    return Path(data_dir) / "traces"
+
+
+def tracer(name: str = "ripplemesh") -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject_headers(headers: dict[str, str]) -> dict[str, str]:
+    propagate.inject(headers)
+    return headers
+
+
+def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
+    return propagate.extract(dict(headers or {}))
+
+
+def subject_family(subject: str) -> str:
+    """A low-cardinality span name part: ``rmesh.tokens.acme.r1`` -> ``rmesh.tokens``."""
+    return ".".join(subject.split(".")[:2])

@@ -1,0 +1,171 @@
+"""Router: keep a live view of the workers (WORKERS KV bucket), place each admitted request
+(policy.py), send it to its prefill worker, and record the decision as an event and a span."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, ClassVar
+
+import msgspec
+from prometheus_client import Counter, Gauge
+from starlette.routing import BaseRoute
+
+from schemas.events import (
+    PrefillWork,
+    RequestAdmitted,
+    RequestRejected,
+    RequestRouted,
+    StreamFailed,
+    WorkerState,
+    derived_event_id,
+)
+from schemas.subjects import ROUTER_CONSUMER, WORKERS, event_subject, tokens_subject, work_subject
+from services.mesh.consumer import Delivery
+from services.mesh.runtime import Runtime
+from services.mesh.tracing import tracer
+from services.router.policy import NoPlacement, RouterState, WorkerView, place
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = Counter("ripplemesh_router_placements_total", "Placements by mode.", ["mode"])
+LIVE_WORKERS = Gauge("ripplemesh_router_live_workers", "Live workers in the router's view.")
+# At start-up workers may not have sent their first heartbeat yet: wait this long for one.
+WAIT_FOR_WORKERS_S = 5.0
+
+_worker_decoder = msgspec.json.Decoder(WorkerState)
+
+
+def view_of(state: WorkerState) -> WorkerView:
+    return WorkerView(
+        worker_id=state.worker_id, role=state.role, model=state.model,
+        block_size=state.block_size, queue_depth=state.queue_depth, running=state.running,
+        kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
+        heartbeat_at=state.occurred_at, draining=state.draining,
+    )
+
+
+class RouterService:
+    name: ClassVar[str] = "router"
+
+    def __init__(self) -> None:
+        self.state = RouterState()
+        self.runtime: Runtime | None = None
+        self._workers_changed = asyncio.Event()
+
+    async def start(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        runtime.spawn(self._watch_workers(), "watch-workers")
+        await runtime.consume(ROUTER_CONSUMER, RequestAdmitted, self._on_admitted, max_inflight=256)
+
+    async def stop(self) -> None:
+        return None
+
+    def routes(self) -> list[BaseRoute]:
+        return []
+
+    def health(self) -> dict[str, Any]:
+        return {"workers": len(live_workers_any(self.state))}
+
+    async def _watch_workers(self) -> None:
+        assert self.runtime is not None
+        kv = await self.runtime.bus.key_value(WORKERS)
+        while True:
+            watcher = await kv.watchall()
+            try:
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=5.0)
+                    except TimeoutError:
+                        continue
+                    if entry is None or entry.value is None:
+                        continue  # end of the initial values, or a delete marker
+                    if entry.operation in ("DEL", "PURGE"):
+                        self.state.forget(entry.key)
+                        continue
+                    try:
+                        worker = _worker_decoder.decode(entry.value)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        log.warning("bad worker state ignored", extra={"key": entry.key, "error": str(exc)})
+                        continue
+                    self.state.observe(view_of(worker))
+                    LIVE_WORKERS.set(len(live_workers_any(self.state)))
+                    self._workers_changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the watch broke (reconnect): start a new one
+                log.warning("worker watch restarted", extra={"error": repr(exc)})
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+
+    async def _on_admitted(self, event: RequestAdmitted, delivery: Delivery) -> None:
+        assert self.runtime is not None
+        request = event.request
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + WAIT_FOR_WORKERS_S
+        with tracer().start_as_current_span("router.decide") as span:
+            while True:
+                decision = place(self.state, request_id=request.request_id, model=request.model,
+                                 block_size=request.block_size, now=time.time())
+                if not (isinstance(decision, NoPlacement) and decision.reason == "no_workers"):
+                    break
+                remaining = give_up_at - loop.time()
+                if remaining <= 0:
+                    break
+                self._workers_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._workers_changed.wait(), timeout=min(remaining, 0.25))
+            if isinstance(decision, NoPlacement):
+                span.set_attribute("ripple.router.outcome", decision.reason)
+                await self._reject(event, decision)
+                return
+            span.set_attributes({
+                "ripple.router.mode": decision.mode,
+                "ripple.router.prefill_worker": decision.prefill_worker,
+                "ripple.router.decode_worker": decision.decode_worker,
+                "ripple.router.candidates": decision.candidates,
+                "ripple.router.decode_load": decision.decode_load,
+            })
+        now = time.time()
+        PLACEMENTS.labels(decision.mode).inc()
+        await self.runtime.bus.publish(
+            work_subject("prefill", decision.prefill_worker),
+            PrefillWork(event_id=derived_event_id(event.event_id, "prefill"), occurred_at=now,
+                        request=request, prefill_worker=decision.prefill_worker,
+                        decode_worker=decision.decode_worker),
+        )
+        await self.runtime.bus.publish(
+            event_subject("routed"),
+            RequestRouted(event_id=derived_event_id(event.event_id, "routed"), occurred_at=now,
+                          request_id=request.request_id, tenant=request.tenant, mode=decision.mode,
+                          prefill_worker=decision.prefill_worker,
+                          decode_worker=decision.decode_worker, candidates=decision.candidates,
+                          predicted_load=decision.decode_load),
+        )
+
+    async def _reject(self, event: RequestAdmitted, decision: NoPlacement) -> None:
+        assert self.runtime is not None
+        request = event.request
+        now = time.time()
+        status = 503 if decision.reason == "no_workers" else 500
+        await self.runtime.bus.publish(
+            tokens_subject(request.tenant, request.request_id),
+            StreamFailed(event_id=derived_event_id(event.event_id, "failed"), occurred_at=now,
+                         request_id=request.request_id, seq=0, code=decision.reason,
+                         message=decision.message, http_status=status, retry_after_s=5.0),
+        )
+        await self.runtime.bus.publish(
+            event_subject("rejected"),
+            RequestRejected(event_id=derived_event_id(event.event_id, "rejected"), occurred_at=now,
+                            request_id=request.request_id, tenant=request.tenant, stage="router",
+                            reason=decision.reason, message=decision.message, retry_after_s=5.0),
+        )
+
+
+def live_workers_any(state: RouterState) -> list[WorkerView]:
+    now = time.time()
+    return [w for w in state.workers.values() if now - w.heartbeat_at <= 3.0]
