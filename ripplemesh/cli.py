@@ -63,17 +63,36 @@ def main() -> None:
 @click.option("--nats-url", envvar="NATS_URL", required=True, help="NATS server to join.")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
-@click.option("--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API).")
+@click.option(
+    "--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API)."
+)
 @click.option("--http-host", default="127.0.0.1")
-@click.option("--worker-id", default=None, help="Worker id (prefill/decode); stable across restarts.")
+@click.option(
+    "--worker-id", default=None, help="Worker id (prefill/decode); stable across restarts."
+)
 @click.option("--engine", default="sim", type=click.Choice(["sim"]))
 @click.option("--gpu", default="H100", help="GPU type the sim engine models.")
 @click.option("--model", default=None, help="Model to serve (default: the config's first).")
-@click.option("--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time.")
-@click.option("--database-url", default=None, help="Ledger database (default SQLite in the data dir).")
-def run(service: str, nats_url: str, data_dir: Path | None, config_file: Path | None, http_port: int,
-        http_host: str, worker_id: str | None, engine: str, gpu: str, model: str | None,
-        time_scale: float, database_url: str | None) -> None:
+@click.option(
+    "--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time."
+)
+@click.option(
+    "--database-url", default=None, help="Ledger database (default SQLite in the data dir)."
+)
+def run(
+    service: str,
+    nats_url: str,
+    data_dir: Path | None,
+    config_file: Path | None,
+    http_port: int,
+    http_host: str,
+    worker_id: str | None,
+    engine: str,
+    gpu: str,
+    model: str | None,
+    time_scale: float,
+    database_url: str | None,
+) -> None:
     """Run one service in this process until SIGTERM or Ctrl-C."""
     from services.mesh.runtime import ServiceOptions, run_service, setup_logging
 
@@ -84,27 +103,52 @@ def run(service: str, nats_url: str, data_dir: Path | None, config_file: Path | 
         config = load_config(config_file)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    extra = {"worker_id": worker_id, "engine": engine, "gpu": gpu, "model": model,
-             "time_scale": time_scale, "database_url": database_url}
-    options = ServiceOptions(nats_url=nats_url, data_dir=(data_dir or default_data_dir()).resolve(),
-                             config=config, http_host=http_host, http_port=http_port, extra=extra)
+    extra = {
+        "worker_id": worker_id,
+        "engine": engine,
+        "gpu": gpu,
+        "model": model,
+        "time_scale": time_scale,
+        "database_url": database_url,
+    }
+    options = ServiceOptions(
+        nats_url=nats_url,
+        data_dir=(data_dir or default_data_dir()).resolve(),
+        config=config,
+        http_host=http_host,
+        http_port=http_port,
+        extra=extra,
+    )
     asyncio.run(run_service(_service(service), options))
 
 
 @main.command()
 @click.option("--engine", default="sim", type=click.Choice(["sim"]))
-@click.option("--prefill", default=1, show_default=True, help="Prefill workers (0: aggregated serving).")
+@click.option(
+    "--prefill", default=1, show_default=True, help="Prefill workers (0: aggregated serving)."
+)
 @click.option("--decode", default=1, show_default=True, help="Decode workers.")
 @click.option("--http-port", default=8000, show_default=True)
-@click.option("--nats-url", envvar="NATS_URL", default=None, help="Use this NATS instead of an embedded one.")
+@click.option(
+    "--nats-url", envvar="NATS_URL", default=None, help="Use this NATS instead of an embedded one."
+)
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
 @click.option("--gpu", default="H100", show_default=True)
 @click.option("--time-scale", type=float, default=1.0, show_default=True)
 @click.option("--database-url", default=None)
-def up(engine: str, prefill: int, decode: int, http_port: int, nats_url: str | None,
-       data_dir: Path | None, config_file: Path | None, gpu: str, time_scale: float,
-       database_url: str | None) -> None:
+def up(
+    engine: str,
+    prefill: int,
+    decode: int,
+    http_port: int,
+    nats_url: str | None,
+    data_dir: Path | None,
+    config_file: Path | None,
+    gpu: str,
+    time_scale: float,
+    database_url: str | None,
+) -> None:
     """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all."""
     from ripplemesh.launcher import Mesh
 
@@ -115,9 +159,18 @@ def up(engine: str, prefill: int, decode: int, http_port: int, nats_url: str | N
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     data = (data_dir or default_data_dir()).resolve()
-    mesh = Mesh(data_dir=data, config_path=config_file.resolve() if config_file else None,
-                nats_url=nats_url, http_port=http_port, prefill=prefill, decode=decode,
-                engine=engine, gpu=gpu, time_scale=time_scale, database_url=database_url)
+    mesh = Mesh(
+        data_dir=data,
+        config_path=config_file.resolve() if config_file else None,
+        nats_url=nats_url,
+        http_port=http_port,
+        prefill=prefill,
+        decode=decode,
+        engine=engine,
+        gpu=gpu,
+        time_scale=time_scale,
+        database_url=database_url,
+    )
     stop_requested = False
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -131,7 +184,10 @@ def up(engine: str, prefill: int, decode: int, http_port: int, nats_url: str | N
     table = Table(title="ripplemesh is up", show_header=True)
     table.add_column("what")
     table.add_column("where")
-    table.add_row("OpenAI API", f"http://127.0.0.1:{http_port}/v1  (api key: rm-demo-key with the default config)")
+    table.add_row(
+        "OpenAI API",
+        f"http://127.0.0.1:{http_port}/v1  (api key: rm-demo-key with the default config)",
+    )
     table.add_row("NATS", mesh.url)
     for child in mesh.children:
         table.add_row(f"{child.name} metrics", f"{child.url}/metrics")
@@ -144,7 +200,9 @@ def up(engine: str, prefill: int, decode: int, http_port: int, nats_url: str | N
         while not stop_requested:
             for child in mesh.children:
                 if child.process is not None and child.process.poll() is not None:
-                    console.print(f"[red]{child.name} exited ({child.process.returncode}); see {child.log_path}")
+                    console.print(
+                        f"[red]{child.name} exited ({child.process.returncode}); see {child.log_path}"
+                    )
                     stop_requested = True
             time.sleep(0.2)
     finally:

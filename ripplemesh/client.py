@@ -1,8 +1,8 @@
 """`MeshClient`: submit requests over NATS and receive their tokens, in order, exactly once.
 
-    async with MeshClient("nats://127.0.0.1:4222", tenant="demo") as client:
-        async for chunk in client.stream(prompt="Hello", max_tokens=32):
-            print(chunk.text, end="")
+async with MeshClient("nats://127.0.0.1:4222", tenant="demo") as client:
+    async for chunk in client.stream(prompt="Hello", max_tokens=32):
+        print(chunk.text, end="")
 """
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ class MeshClient:
 
     async def connect(self) -> MeshClient:
         if self._nc is None:
-            self._nc = await nats.connect(self.nats_url, name=f"ripplemesh-client-{self.tenant}",
-                                          connect_timeout=5, max_reconnect_attempts=-1)
+            self._nc = await nats.connect(
+                self.nats_url,
+                name=f"ripplemesh-client-{self.tenant}",
+                connect_timeout=5,
+                max_reconnect_attempts=-1,
+            )
         return self
 
     async def close(self) -> None:
@@ -111,16 +115,28 @@ class MeshClient:
         """Submit one request and yield every token event, in order, ending with the final one."""
         request_id = request_id or uuid.uuid4().hex
         submission = SubmitRequest(
-            event_id=new_event_id(), occurred_at=time.time(), request_id=request_id,
-            model=model or self.model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-            temperature=temperature, priority=priority, deadline_ms=deadline_ms, workflow=workflow,
+            event_id=new_event_id(),
+            occurred_at=time.time(),
+            request_id=request_id,
+            model=model or self.model,
+            prompt=prompt,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            workflow=workflow,
         )
-        stream = TokenStream(self.nc, tokens_subject(self.tenant, request_id),
-                             first_event_timeout_s=self.first_token_timeout_s,
-                             idle_timeout_s=self.idle_timeout_s)
+        stream = TokenStream(
+            self.nc,
+            tokens_subject(self.tenant, request_id),
+            first_event_timeout_s=self.first_token_timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
+        )
         async with stream:
             await self.nc.jetstream(timeout=5).publish(
-                request_subject(self.tenant), encode_event(submission),
+                request_subject(self.tenant),
+                encode_event(submission),
                 headers={"Nats-Msg-Id": submission.event_id},
             )
             async for event in stream.events():
@@ -146,6 +162,12 @@ class MeshClient:
             elif isinstance(event, StreamFailed):
                 raise MeshError(event)
             elif isinstance(event, StreamFinished):
-                return Completion(event.request_id, "".join(texts), token_ids,
-                                  event.finish_reason, event.usage, chunks)
+                return Completion(
+                    event.request_id,
+                    "".join(texts),
+                    token_ids,
+                    event.finish_reason,
+                    event.usage,
+                    chunks,
+                )
         raise RuntimeError("the token stream ended without a final event")

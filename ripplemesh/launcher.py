@@ -60,9 +60,20 @@ class Mesh:
 
     def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
         port = http_port or free_port()
-        args = [sys.executable, "-m", "ripplemesh", "run", service,
-                "--nats-url", self.url, "--data-dir", str(self.data_dir),
-                "--http-port", str(port), *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "ripplemesh",
+            "run",
+            service,
+            "--nats-url",
+            self.url,
+            "--data-dir",
+            str(self.data_dir),
+            "--http-port",
+            str(port),
+            *extra,
+        ]
         if self.config_path is not None:
             args += ["--config", str(self.config_path)]
         return Child(name, args, port, self.data_dir / "logs" / f"{name}.log")
@@ -79,11 +90,19 @@ class Mesh:
         engine = ["--engine", self.engine, "--gpu", self.gpu, "--time-scale", str(self.time_scale)]
         children = []
         for i in range(self.decode):
-            children.append(self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine))
+            children.append(
+                self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine)
+            )
         for i in range(self.prefill):
-            children.append(self._child(f"prefill-{i}", "prefill", "--worker-id", f"prefill-{i}", *engine))
+            children.append(
+                self._child(f"prefill-{i}", "prefill", "--worker-id", f"prefill-{i}", *engine)
+            )
         for name in SERVICES_IN_ORDER:
-            extra = ["--database-url", self.database_url] if name == "ledger" and self.database_url else []
+            extra = (
+                ["--database-url", self.database_url]
+                if name == "ledger" and self.database_url
+                else []
+            )
             port = self.http_port if name == "ingress" else None
             children.append(self._child(name, name, *extra, http_port=port))
         return children
@@ -99,7 +118,11 @@ class Mesh:
             for child in self.children:
                 log = child.log_path.open("ab")
                 child.process = subprocess.Popen(
-                    child.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                    child.args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
                     preexec_fn=_die_with_parent,
                 )
                 log.close()
@@ -121,7 +144,9 @@ class Mesh:
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{child.name} not healthy within {timeout_s}s; see {child.log_path}")
+                raise TimeoutError(
+                    f"{child.name} not healthy within {timeout_s}s; see {child.log_path}"
+                )
             time.sleep(0.1)
 
     def child(self, name: str) -> Child:
@@ -142,8 +167,14 @@ class Mesh:
         child = self.child(name)
         self.stop_child(name)
         log = child.log_path.open("ab")
-        child.process = subprocess.Popen(child.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+        child.process = subprocess.Popen(
+            child.args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={**os.environ, **self.env},
+            preexec_fn=_die_with_parent,
+        )
         log.close()
         deadline = time.monotonic() + ready_timeout_s
         while not _healthy(child.url):

@@ -160,7 +160,11 @@ ROUTER_CONSUMER = ConsumerSpec(
     durable="router", stream="ADMITTED", filter_subject=f"{PREFIX}.admitted.*"
 )
 LEDGER_CONSUMER = ConsumerSpec(
-    durable="ledger", stream="LIFECYCLE", filter_subject=f"{PREFIX}.events.>", max_ack_pending=4096
+    durable="ledger",
+    stream="LIFECYCLE",
+    filter_subject=f"{PREFIX}.events.>",
+    max_ack_pending=4096,
+    ack_wait_s=5.0,
 )
 
 

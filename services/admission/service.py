@@ -24,7 +24,8 @@ from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
 
 DECISIONS = Counter(
-    "ripplemesh_admission_decisions_total", "Admission decisions by outcome and reason.",
+    "ripplemesh_admission_decisions_total",
+    "Admission decisions by outcome and reason.",
     ["tenant", "outcome", "reason"],
 )
 
@@ -40,7 +41,9 @@ class AdmissionService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        await runtime.consume(ADMISSION_CONSUMER, RequestPrepared, self._on_prepared, max_inflight=256)
+        await runtime.consume(
+            ADMISSION_CONSUMER, RequestPrepared, self._on_prepared, max_inflight=256
+        )
 
     async def stop(self) -> None:
         return None
@@ -56,8 +59,9 @@ class AdmissionService:
         config = self.runtime.config.tenants.get(tenant)
         if config is None:
             return None
-        return TenantQuota(config.requests_per_s, config.request_burst, config.tokens_per_s,
-                           config.token_burst)
+        return TenantQuota(
+            config.requests_per_s, config.request_burst, config.tokens_per_s, config.token_burst
+        )
 
     async def _on_prepared(self, event: RequestPrepared, delivery: Delivery) -> None:
         assert self.runtime is not None
@@ -96,18 +100,26 @@ class AdmissionService:
         await self.runtime.bus.publish(
             tokens_subject(request.tenant, request.request_id),
             StreamFailed(
-                event_id=derived_event_id(event.event_id, "failed"), occurred_at=now,
-                request_id=request.request_id, seq=0, code=decision.reason,
-                message=decision.message, http_status=HTTP_STATUS[decision.reason],
+                event_id=derived_event_id(event.event_id, "failed"),
+                occurred_at=now,
+                request_id=request.request_id,
+                seq=0,
+                code=decision.reason,
+                message=decision.message,
+                http_status=HTTP_STATUS[decision.reason],
                 retry_after_s=decision.retry_after_s,
             ),
         )
         await self.runtime.bus.publish(
             event_subject("rejected"),
             RequestRejected(
-                event_id=derived_event_id(event.event_id, "rejected"), occurred_at=now,
-                request_id=request.request_id, tenant=request.tenant, stage="admission",
-                reason=decision.reason, message=decision.message,
+                event_id=derived_event_id(event.event_id, "rejected"),
+                occurred_at=now,
+                request_id=request.request_id,
+                tenant=request.tenant,
+                stage="admission",
+                reason=decision.reason,
+                message=decision.message,
                 retry_after_s=decision.retry_after_s,
             ),
         )

@@ -70,6 +70,17 @@ def plan(workers: Iterable[WorkerLoad], targets: Targets, now: float) -> list[Po
             reason = "scale down: demand fits fewer replicas"
         else:
             reason = "steady"
-        plans.append(PoolPlan(pool, members[0].role, members[0].gpu_type, replicas, desired,
-                              queue, running, round(kv, 4), reason))
+        plans.append(
+            PoolPlan(
+                pool,
+                members[0].role,
+                members[0].gpu_type,
+                replicas,
+                desired,
+                queue,
+                running,
+                round(kv, 4),
+                reason,
+            )
+        )
     return plans

@@ -21,7 +21,9 @@ from services.mesh.tracing import tracer
 log = logging.getLogger(__name__)
 
 REPLICAS = Gauge("ripplemesh_autoscaler_replicas", "Live replicas per pool.", ["pool"])
-DESIRED = Gauge("ripplemesh_autoscaler_desired_replicas", "Recommended replicas per pool.", ["pool"])
+DESIRED = Gauge(
+    "ripplemesh_autoscaler_desired_replicas", "Recommended replicas per pool.", ["pool"]
+)
 
 _decoder = msgspec.json.Decoder(WorkerState)
 
@@ -65,9 +67,19 @@ class AutoscalerService:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 log.warning("bad worker state ignored", extra={"key": key})
                 continue
-            loads.append(WorkerLoad(state.worker_id, state.pool, state.role, state.gpu_type,
-                                    state.queue_depth, state.running, state.kv_blocks_used,
-                                    state.kv_blocks_total, state.occurred_at))
+            loads.append(
+                WorkerLoad(
+                    state.worker_id,
+                    state.pool,
+                    state.role,
+                    state.gpu_type,
+                    state.queue_depth,
+                    state.running,
+                    state.kv_blocks_used,
+                    state.kv_blocks_total,
+                    state.occurred_at,
+                )
+            )
         return loads
 
     async def observe(self) -> None:
@@ -81,11 +93,21 @@ class AutoscalerService:
             await self.runtime.bus.publish(
                 event_subject("fleet"),
                 FleetObserved(
-                    event_id=new_event_id(), occurred_at=time.time(),
-                    pools=[PoolView(pool=p.pool, role=p.role, gpu_type=p.gpu_type,
-                                    replicas=p.replicas, desired_replicas=p.desired_replicas,
-                                    queue_depth=p.queue_depth, running=p.running,
-                                    kv_utilisation=p.kv_utilisation, reason=p.reason)
-                           for p in self.last_plan],
+                    event_id=new_event_id(),
+                    occurred_at=time.time(),
+                    pools=[
+                        PoolView(
+                            pool=p.pool,
+                            role=p.role,
+                            gpu_type=p.gpu_type,
+                            replicas=p.replicas,
+                            desired_replicas=p.desired_replicas,
+                            queue_depth=p.queue_depth,
+                            running=p.running,
+                            kv_utilisation=p.kv_utilisation,
+                            reason=p.reason,
+                        )
+                        for p in self.last_plan
+                    ],
                 ),
             )

@@ -28,13 +28,23 @@ class DecodeService:
         settings = runtime.options.extra
         worker_id = settings["worker_id"]
         engine = make_engine(settings, runtime.config)
-        self.host = EngineHost(runtime, engine, worker_id=worker_id, role="decode",
-                               pool=settings.get("pool") or f"decode-{engine.info.gpu_type}")
+        self.host = EngineHost(
+            runtime,
+            engine,
+            worker_id=worker_id,
+            role="decode",
+            pool=settings.get("pool") or f"decode-{engine.info.gpu_type}",
+        )
         await self.host.start()
-        await runtime.consume(worker_consumer("decode", worker_id), DecodeWork, self._on_decode,
-                              max_inflight=256)
-        await runtime.consume(worker_consumer("prefill", worker_id), PrefillWork,
-                              self._on_aggregated, max_inflight=256)
+        await runtime.consume(
+            worker_consumer("decode", worker_id), DecodeWork, self._on_decode, max_inflight=256
+        )
+        await runtime.consume(
+            worker_consumer("prefill", worker_id),
+            PrefillWork,
+            self._on_aggregated,
+            max_inflight=256,
+        )
 
     async def stop(self) -> None:
         if self.host is not None:
@@ -51,8 +61,13 @@ class DecodeService:
         assert host is not None
         try:
             await host.engine.import_kv(work.request, work.kv)
-            await host.decode(work.request, work.first_token_id, work.cached_tokens,
-                              work.kv.kv_bytes, work.event_id)
+            await host.decode(
+                work.request,
+                work.first_token_id,
+                work.cached_tokens,
+                work.kv.kv_bytes,
+                work.event_id,
+            )
         except EngineError as exc:
             host.engine.release(work.request.request_id)
             await host.fail(work.request, 1, exc, work.event_id)
@@ -66,8 +81,9 @@ class DecodeService:
             await host.fail(work.request, 0, exc, work.event_id)
             return
         try:
-            await host.decode(work.request, result.first_token_id, result.cached_tokens, 0,
-                              work.event_id)
+            await host.decode(
+                work.request, result.first_token_id, result.cached_tokens, 0, work.event_id
+            )
         except EngineError as exc:
             host.engine.release(work.request.request_id)
             await host.fail(work.request, 1, exc, work.event_id)

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["worker"])
-GPU_SECONDS = Counter("ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"])
+GPU_SECONDS = Counter(
+    "ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"]
+)
 KV_USED = Gauge("ripplemesh_worker_kv_blocks_used", "KV blocks in use.", ["worker"])
 RUNNING = Gauge("ripplemesh_worker_running", "Sequences decoding.", ["worker"])
 
@@ -65,7 +67,9 @@ class EngineHost:
     async def start(self) -> None:
         await self.engine.start()
         await self.heartbeat()
-        self.runtime.spawn(self.runtime.every(HEARTBEAT_S, self.heartbeat, "heartbeat"), "heartbeat")
+        self.runtime.spawn(
+            self.runtime.every(HEARTBEAT_S, self.heartbeat, "heartbeat"), "heartbeat"
+        )
 
     async def stop(self) -> None:
         self.draining = True
@@ -79,13 +83,24 @@ class EngineHost:
         KV_USED.labels(self.worker_id).set(snap.kv_blocks_used)
         RUNNING.labels(self.worker_id).set(snap.running)
         return WorkerState(
-            event_id=f"{self.worker_id}-{time.monotonic_ns()}", occurred_at=time.time(),
-            worker_id=self.worker_id, role=self.role, pool=self.pool, model=info.model,
-            engine=info.engine, gpu_type=info.gpu_type, price_per_hour=self.price_per_hour,
-            block_size=info.block_size, kv_blocks_total=info.kv_blocks_total,
-            kv_blocks_used=snap.kv_blocks_used, kv_blocks_cached=snap.kv_blocks_cached,
-            queue_depth=snap.queue_depth, running=snap.running, tokens_per_s=snap.tokens_per_s,
-            started_at=self.started_at, draining=self.draining,
+            event_id=f"{self.worker_id}-{time.monotonic_ns()}",
+            occurred_at=time.time(),
+            worker_id=self.worker_id,
+            role=self.role,
+            pool=self.pool,
+            model=info.model,
+            engine=info.engine,
+            gpu_type=info.gpu_type,
+            price_per_hour=self.price_per_hour,
+            block_size=info.block_size,
+            kv_blocks_total=info.kv_blocks_total,
+            kv_blocks_used=snap.kv_blocks_used,
+            kv_blocks_cached=snap.kv_blocks_cached,
+            queue_depth=snap.queue_depth,
+            running=snap.running,
+            tokens_per_s=snap.tokens_per_s,
+            started_at=self.started_at,
+            draining=self.draining,
         )
 
     async def heartbeat(self) -> None:
@@ -97,11 +112,15 @@ class EngineHost:
     async def prefill(self, request: InferenceRequest, source_event_id: str) -> PrefillResult:
         """Run the prefill, stream the first token (seq 0), report its GPU time."""
         with tracer().start_as_current_span(
-            f"prefill {request.model}", kind=SpanKind.INTERNAL,
+            f"prefill {request.model}",
+            kind=SpanKind.INTERNAL,
             attributes={
-                REQUEST_ID: request.request_id, "gen_ai.operation.name": "prefill",
-                "gen_ai.request.model": request.model, "gen_ai.usage.input_tokens": len(request.prompt_tokens),
-                "ripple.worker_id": self.worker_id, "ripple.gpu_type": self.engine.info.gpu_type,
+                REQUEST_ID: request.request_id,
+                "gen_ai.operation.name": "prefill",
+                "gen_ai.request.model": request.model,
+                "gen_ai.usage.input_tokens": len(request.prompt_tokens),
+                "ripple.worker_id": self.worker_id,
+                "ripple.gpu_type": self.engine.info.gpu_type,
             },
         ) as span:
             result = await self.engine.prefill(request)
@@ -110,46 +129,71 @@ class EngineHost:
         now = time.time()
         await self.runtime.bus.publish_fast(
             tokens_subject(request.tenant, request.request_id),
-            TokenChunk(event_id=f"{request.request_id}-0", occurred_at=now,
-                       request_id=request.request_id, seq=0, token_ids=[result.first_token_id],
-                       text=self.engine.detokenize([result.first_token_id])),
+            TokenChunk(
+                event_id=f"{request.request_id}-0",
+                occurred_at=now,
+                request_id=request.request_id,
+                seq=0,
+                token_ids=[result.first_token_id],
+                text=self.engine.detokenize([result.first_token_id]),
+            ),
         )
         TOKENS_OUT.labels(self.worker_id).inc()
         GPU_SECONDS.labels(self.worker_id, "prefill").inc(result.gpu_seconds)
         await self.runtime.bus.publish(
             event_subject("prefill_completed"),
             PrefillCompleted(
-                event_id=derived_event_id(source_event_id, "prefill_completed"), occurred_at=now,
-                request_id=request.request_id, tenant=request.tenant,
+                event_id=derived_event_id(source_event_id, "prefill_completed"),
+                occurred_at=now,
+                request_id=request.request_id,
+                tenant=request.tenant,
                 workflow_id=request.workflow.workflow_id if request.workflow else None,
-                worker_id=self.worker_id, gpu_type=self.engine.info.gpu_type,
-                gpu_seconds=result.gpu_seconds, prompt_tokens=len(request.prompt_tokens),
-                cached_tokens=result.cached_tokens, ttft_s=max(0.0, now - request.submitted_at),
+                worker_id=self.worker_id,
+                gpu_type=self.engine.info.gpu_type,
+                gpu_seconds=result.gpu_seconds,
+                prompt_tokens=len(request.prompt_tokens),
+                cached_tokens=result.cached_tokens,
+                ttft_s=max(0.0, now - request.submitted_at),
             ),
         )
         return result
 
-    async def decode(self, request: InferenceRequest, first_token_id: int, cached_tokens: int,
-                     kv_transfer_bytes: int, source_event_id: str) -> None:
+    async def decode(
+        self,
+        request: InferenceRequest,
+        first_token_id: int,
+        cached_tokens: int,
+        kv_transfer_bytes: int,
+        source_event_id: str,
+    ) -> None:
         """Stream tokens from seq 1 until the request finishes, then report usage and GPU time."""
         subject = tokens_subject(request.tenant, request.request_id)
         seq = 1
         generated = 1
         finish_reason: Literal["stop", "length"] = "length"
         with tracer().start_as_current_span(
-            f"decode {request.model}", kind=SpanKind.INTERNAL,
-            attributes={REQUEST_ID: request.request_id, "gen_ai.operation.name": "decode",
-                        "gen_ai.request.model": request.model, "ripple.worker_id": self.worker_id,
-                        "ripple.gpu_type": self.engine.info.gpu_type},
+            f"decode {request.model}",
+            kind=SpanKind.INTERNAL,
+            attributes={
+                REQUEST_ID: request.request_id,
+                "gen_ai.operation.name": "decode",
+                "gen_ai.request.model": request.model,
+                "ripple.worker_id": self.worker_id,
+                "ripple.gpu_type": self.engine.info.gpu_type,
+            },
         ) as span:
             async for step in self.engine.decode(request.request_id, first_token_id):
                 if step.token_ids:
                     await self.runtime.bus.publish_fast(
                         subject,
-                        TokenChunk(event_id=f"{request.request_id}-{seq}", occurred_at=time.time(),
-                                   request_id=request.request_id, seq=seq,
-                                   token_ids=step.token_ids,
-                                   text=self.engine.detokenize(step.token_ids)),
+                        TokenChunk(
+                            event_id=f"{request.request_id}-{seq}",
+                            occurred_at=time.time(),
+                            request_id=request.request_id,
+                            seq=seq,
+                            token_ids=step.token_ids,
+                            text=self.engine.detokenize(step.token_ids),
+                        ),
                     )
                     seq += 1
                     generated += len(step.token_ids)
@@ -159,43 +203,73 @@ class EngineHost:
             _, decode_gpu_s = self.engine.gpu_seconds(request.request_id)
             span.set_attribute("gen_ai.usage.output_tokens", generated)
             span.set_attribute("ripple.gpu_seconds", decode_gpu_s)
-        usage = Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=generated,
-                      cached_tokens=cached_tokens)
+        usage = Usage(
+            prompt_tokens=len(request.prompt_tokens),
+            completion_tokens=generated,
+            cached_tokens=cached_tokens,
+        )
         now = time.time()
         GPU_SECONDS.labels(self.worker_id, "decode").inc(decode_gpu_s)
         await self.runtime.bus.publish(
             subject,
-            StreamFinished(event_id=f"{request.request_id}-{seq}", occurred_at=now,
-                           request_id=request.request_id, seq=seq, finish_reason=finish_reason,
-                           usage=usage),
+            StreamFinished(
+                event_id=f"{request.request_id}-{seq}",
+                occurred_at=now,
+                request_id=request.request_id,
+                seq=seq,
+                finish_reason=finish_reason,
+                usage=usage,
+            ),
         )
         await self.runtime.bus.publish(
             event_subject("decode_completed"),
             DecodeCompleted(
-                event_id=derived_event_id(source_event_id, "decode_completed"), occurred_at=now,
-                request_id=request.request_id, tenant=request.tenant,
+                event_id=derived_event_id(source_event_id, "decode_completed"),
+                occurred_at=now,
+                request_id=request.request_id,
+                tenant=request.tenant,
                 workflow_id=request.workflow.workflow_id if request.workflow else None,
-                worker_id=self.worker_id, gpu_type=self.engine.info.gpu_type,
-                gpu_seconds=decode_gpu_s, kv_transfer_bytes=kv_transfer_bytes, usage=usage,
-                finish_reason=finish_reason, latency_s=max(0.0, now - request.submitted_at),
+                worker_id=self.worker_id,
+                gpu_type=self.engine.info.gpu_type,
+                gpu_seconds=decode_gpu_s,
+                kv_transfer_bytes=kv_transfer_bytes,
+                usage=usage,
+                finish_reason=finish_reason,
+                latency_s=max(0.0, now - request.submitted_at),
             ),
         )
 
-    async def fail(self, request: InferenceRequest, seq: int, error: EngineError,
-                   source_event_id: str) -> None:
+    async def fail(
+        self, request: InferenceRequest, seq: int, error: EngineError, source_event_id: str
+    ) -> None:
         """An engine error for one request: tell its client and the ledger; others go on."""
         now = time.time()
-        log.warning("request failed in engine", extra={"request_id": request.request_id, "error": str(error)})
+        log.warning(
+            "request failed in engine",
+            extra={"request_id": request.request_id, "error": str(error)},
+        )
         await self.runtime.bus.publish(
             tokens_subject(request.tenant, request.request_id),
-            StreamFailed(event_id=f"{request.request_id}-{seq}", occurred_at=now,
-                         request_id=request.request_id, seq=seq, code="invalid",
-                         message=str(error), http_status=400),
+            StreamFailed(
+                event_id=f"{request.request_id}-{seq}",
+                occurred_at=now,
+                request_id=request.request_id,
+                seq=seq,
+                code="invalid",
+                message=str(error),
+                http_status=400,
+            ),
         )
         await self.runtime.bus.publish(
             event_subject("failed"),
-            RequestFailed(event_id=derived_event_id(source_event_id, "failed"), occurred_at=now,
-                          request_id=request.request_id, tenant=request.tenant,
-                          workflow_id=request.workflow.workflow_id if request.workflow else None,
-                          stage=self.role, worker_id=self.worker_id, message=str(error)),
+            RequestFailed(
+                event_id=derived_event_id(source_event_id, "failed"),
+                occurred_at=now,
+                request_id=request.request_id,
+                tenant=request.tenant,
+                workflow_id=request.workflow.workflow_id if request.workflow else None,
+                stage=self.role,
+                worker_id=self.worker_id,
+                message=str(error),
+            ),
         )

@@ -39,7 +39,9 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
 
 
-def error_body(message: str, *, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, *, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -62,8 +64,13 @@ class ResponseShape:
         self.created = int(time.time())
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def chunk(self, text: str, finish_reason: str | None, *, first: bool) -> dict[str, Any]:
         if self.api == "chat":
@@ -81,8 +88,12 @@ class ResponseShape:
 
     def complete(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
         if self.api == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish_reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}

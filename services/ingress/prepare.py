@@ -18,8 +18,14 @@ _tokenizer = SimpleTokenizer()
 class InvalidRequest(ValueError):
     """A client error; `param` names the offending field, `status` the HTTP status to answer."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 code: str = "invalid_request"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str = "invalid_request",
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -53,27 +59,33 @@ def prepare(request: ClientRequest, config: MeshConfig, now: float) -> Inference
         known = ", ".join(m.name for m in config.models)
         raise InvalidRequest(
             f"model {request.model!r} is not served here; available: {known}",
-            param="model", status=404, code="model_not_found",
+            param="model",
+            status=404,
+            code="model_not_found",
         )
     if request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     if request.temperature < 0 or request.temperature > 2:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
     if request.deadline_ms is not None and request.deadline_ms < 1:
-        raise InvalidRequest("the deadline must be a positive number of ms", param="x-ripple-deadline-ms")
+        raise InvalidRequest(
+            "the deadline must be a positive number of ms", param="x-ripple-deadline-ms"
+        )
     tokens = _tokenizer.encode(request.prompt)
     if not tokens:
         raise InvalidRequest("the prompt is empty", param="prompt")
     if len(tokens) > config.max_prompt_tokens:
         raise InvalidRequest(
             f"the prompt has {len(tokens)} tokens; the limit is {config.max_prompt_tokens}",
-            param="prompt", code="context_length_exceeded",
+            param="prompt",
+            code="context_length_exceeded",
         )
     if len(tokens) + request.max_tokens > model.max_context_tokens:
         raise InvalidRequest(
             f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) exceeds the "
             f"model's context of {model.max_context_tokens} tokens",
-            param="max_tokens", code="context_length_exceeded",
+            param="max_tokens",
+            code="context_length_exceeded",
         )
     return InferenceRequest(
         request_id=request.request_id,

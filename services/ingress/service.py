@@ -57,28 +57,41 @@ from services.mesh.tracing import REQUEST_ID, tracer
 log = logging.getLogger(__name__)
 
 HTTP_REQUESTS = Counter(
-    "ripplemesh_ingress_http_requests_total", "HTTP API requests by route and status.",
+    "ripplemesh_ingress_http_requests_total",
+    "HTTP API requests by route and status.",
     ["route", "status"],
 )
 TTFT = Histogram(
-    "ripplemesh_ingress_ttft_seconds", "Time to first token seen by the ingress.",
+    "ripplemesh_ingress_ttft_seconds",
+    "Time to first token seen by the ingress.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 NATS_SUBMISSIONS = Counter(
-    "ripplemesh_ingress_nats_submissions_total", "Requests submitted over NATS, by outcome.",
+    "ripplemesh_ingress_nats_submissions_total",
+    "Requests submitted over NATS, by outcome.",
     ["outcome"],
 )
 
 PRIORITIES: tuple[PriorityClass, ...] = ("critical", "standard", "sheddable")
 
 
-def _error(status: int, message: str, *, param: str | None = None, code: str | None = None,
-           retry_after_s: float | None = None) -> JSONResponse:
+def _error(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    retry_after_s: float | None = None,
+) -> JSONResponse:
     type_ = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
-    return JSONResponse(error_body(message, type_=type_, param=param, code=code),
-                        status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(message, type_=type_, param=param, code=code),
+        status_code=status,
+        headers=headers,
+    )
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -91,8 +104,9 @@ def _ripple_headers(request: Request) -> tuple[PriorityClass, int | None, Workfl
     headers = request.headers
     priority = headers.get("x-ripple-priority", "standard")
     if priority not in PRIORITIES:
-        raise InvalidRequest(f"x-ripple-priority must be one of {', '.join(PRIORITIES)}",
-                             param="x-ripple-priority")
+        raise InvalidRequest(
+            f"x-ripple-priority must be one of {', '.join(PRIORITIES)}", param="x-ripple-priority"
+        )
 
     def integer(name: str) -> int | None:
         raw = headers.get(name)
@@ -112,13 +126,18 @@ def _ripple_headers(request: Request) -> tuple[PriorityClass, int | None, Workfl
     if workflow_id is not None:
         try:
             workflow = msgspec.convert(
-                {"workflow_id": workflow_id, "step": integer("x-ripple-workflow-step") or 1,
-                 "steps": integer("x-ripple-workflow-steps")},
+                {
+                    "workflow_id": workflow_id,
+                    "step": integer("x-ripple-workflow-step") or 1,
+                    "steps": integer("x-ripple-workflow-steps"),
+                },
                 WorkflowRef,
             )
         except msgspec.ValidationError:
-            raise InvalidRequest("x-ripple-workflow-id must be 1-128 characters of [A-Za-z0-9_-]",
-                                 param="x-ripple-workflow-id") from None
+            raise InvalidRequest(
+                "x-ripple-workflow-id must be 1-128 characters of [A-Za-z0-9_-]",
+                param="x-ripple-workflow-id",
+            ) from None
     return priority, deadline_ms, workflow  # type: ignore[return-value]
 
 
@@ -141,7 +160,9 @@ class IngressService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        await runtime.consume(INGRESS_CONSUMER, SubmitRequest, self._on_submission, max_inflight=256)
+        await runtime.consume(
+            INGRESS_CONSUMER, SubmitRequest, self._on_submission, max_inflight=256
+        )
 
     async def stop(self) -> None:
         return None
@@ -172,8 +193,10 @@ class IngressService:
     async def _models(self, request: Request) -> Response:
         if self._authenticate(request) is None:
             return _error(401, "invalid or missing API key", code="invalid_api_key")
-        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "ripplemesh"}
-                for m in self._rt.config.models]
+        data = [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "ripplemesh"}
+            for m in self._rt.config.models
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def _chat(self, request: Request) -> Response:
@@ -197,7 +220,8 @@ class IngressService:
     async def _serve(self, request: Request, api: Literal["chat", "completion"]) -> Response:
         route = request.url.path
         with tracer().start_as_current_span(
-            f"POST {route}", kind=SpanKind.SERVER,
+            f"POST {route}",
+            kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "http.route": route},
         ) as span:
             response = await self._serve_traced(request, api, span)
@@ -207,8 +231,9 @@ class IngressService:
             HTTP_REQUESTS.labels(route, str(response.status_code)).inc()
             return response
 
-    async def _serve_traced(self, request: Request, api: Literal["chat", "completion"],
-                            span: Any) -> Response:
+    async def _serve_traced(
+        self, request: Request, api: Literal["chat", "completion"], span: Any
+    ) -> Response:
         tenant = self._authenticate(request)
         if tenant is None:
             return _error(401, "invalid or missing API key", code="invalid_api_key")
@@ -217,7 +242,9 @@ class IngressService:
         span.set_attribute("ripple.tenant", tenant)
         try:
             raw = await self._read_body(request)
-            client_request, stream, include_usage = self._parse(raw, api, request, tenant, request_id)
+            client_request, stream, include_usage = self._parse(
+                raw, api, request, tenant, request_id
+            )
             prepared = prepare(client_request, self._rt.config, time.time())
         except InvalidRequest as exc:
             return _error(exc.status, exc.message, param=exc.param, code=exc.code)
@@ -227,7 +254,8 @@ class IngressService:
         span.set_attribute("gen_ai.usage.input_tokens", len(prepared.prompt_tokens))
 
         tokens = TokenStream(
-            self._rt.bus.nc, tokens_subject(tenant, request_id),
+            self._rt.bus.nc,
+            tokens_subject(tenant, request_id),
             first_event_timeout_s=self._rt.config.first_token_timeout_s,
             idle_timeout_s=self._rt.config.stream_idle_timeout_s,
         )
@@ -249,8 +277,9 @@ class IngressService:
             return _error(503, f"the mesh is unavailable: {exc!r}", code="unavailable")
         if isinstance(first, StreamFailed):
             await tokens.close()
-            return _error(first.http_status, first.message, code=first.code,
-                          retry_after_s=first.retry_after_s)
+            return _error(
+                first.http_status, first.message, code=first.code, retry_after_s=first.retry_after_s
+            )
         TTFT.observe(time.time() - prepared.submitted_at)
         shape = ResponseShape(api, request_id, prepared.model)
         if stream:
@@ -261,20 +290,32 @@ class IngressService:
             )
         return await self._collect(shape, first, events, tokens)
 
-    def _parse(self, raw: bytes, api: Literal["chat", "completion"], request: Request,
-               tenant: str, request_id: str) -> tuple[ClientRequest, bool, bool]:
+    def _parse(
+        self,
+        raw: bytes,
+        api: Literal["chat", "completion"],
+        request: Request,
+        tenant: str,
+        request_id: str,
+    ) -> tuple[ClientRequest, bool, bool]:
         try:
             if api == "chat":
                 chat = msgspec.json.decode(raw, type=ChatCompletionBody)
                 prompt = render_chat(chat.messages)
                 max_tokens = chat.max_completion_tokens or chat.max_tokens or 256
-                model, temperature, stream, options = chat.model, chat.temperature, chat.stream, chat.stream_options
+                model, temperature, stream, options = (
+                    chat.model,
+                    chat.temperature,
+                    chat.stream,
+                    chat.stream_options,
+                )
             else:
                 completion = msgspec.json.decode(raw, type=CompletionBody)
                 if isinstance(completion.prompt, list):
                     if len(completion.prompt) != 1:
-                        raise InvalidRequest("prompt must be a string or a list of one string",
-                                             param="prompt")
+                        raise InvalidRequest(
+                            "prompt must be a string or a list of one string", param="prompt"
+                        )
                     prompt = completion.prompt[0]
                 else:
                     prompt = completion.prompt
@@ -287,14 +328,27 @@ class IngressService:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
         priority, deadline_ms, workflow = _ripple_headers(request)
         client_request = ClientRequest(
-            request_id=request_id, tenant=tenant, model=model, api=api, prompt=prompt,
-            max_tokens=max_tokens, temperature=temperature, priority=priority,
-            deadline_ms=deadline_ms, workflow=workflow,
+            request_id=request_id,
+            tenant=tenant,
+            model=model,
+            api=api,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            workflow=workflow,
         )
         return client_request, stream, bool(options and options.include_usage)
 
-    async def _sse(self, shape: ResponseShape, first: TokenEvent, events: AsyncIterator[TokenEvent],
-                   tokens: TokenStream, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _sse(
+        self,
+        shape: ResponseShape,
+        first: TokenEvent,
+        events: AsyncIterator[TokenEvent],
+        tokens: TokenStream,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
         try:
             event: TokenEvent | None = first
             is_first = True
@@ -313,13 +367,20 @@ class IngressService:
                 event = await anext(events, None)
             yield _sse("[DONE]")
         except StreamTimeout as exc:
-            yield _sse(error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout"))
+            yield _sse(
+                error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout")
+            )
             yield _sse("[DONE]")
         finally:
             await tokens.close()
 
-    async def _collect(self, shape: ResponseShape, first: TokenEvent,
-                       events: AsyncIterator[TokenEvent], tokens: TokenStream) -> Response:
+    async def _collect(
+        self,
+        shape: ResponseShape,
+        first: TokenEvent,
+        events: AsyncIterator[TokenEvent],
+        tokens: TokenStream,
+    ) -> Response:
         parts: list[str] = []
         try:
             event: TokenEvent | None = first
@@ -327,10 +388,16 @@ class IngressService:
                 if isinstance(event, TokenChunk):
                     parts.append(event.text)
                 elif isinstance(event, StreamFinished):
-                    return JSONResponse(shape.complete("".join(parts), event.finish_reason, event.usage))
+                    return JSONResponse(
+                        shape.complete("".join(parts), event.finish_reason, event.usage)
+                    )
                 else:
-                    return _error(event.http_status, event.message, code=event.code,
-                                  retry_after_s=event.retry_after_s)
+                    return _error(
+                        event.http_status,
+                        event.message,
+                        code=event.code,
+                        retry_after_s=event.retry_after_s,
+                    )
                 event = await anext(events, None)
             return _error(502, "the stream ended without a final event", code="internal")
         except StreamTimeout as exc:
@@ -345,19 +412,31 @@ class IngressService:
         out_subject = tokens_subject(tenant, submission.request_id)
         try:
             if tenant not in self._rt.config.tenants:
-                raise InvalidRequest(f"unknown tenant {tenant!r}", status=403, code="unknown_tenant")
+                raise InvalidRequest(
+                    f"unknown tenant {tenant!r}", status=403, code="unknown_tenant"
+                )
             if (submission.prompt is None) == (submission.messages is None):
                 raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
-            prompt = submission.prompt if submission.prompt is not None else render_chat(
-                submission.messages or [])
+            prompt = (
+                submission.prompt
+                if submission.prompt is not None
+                else render_chat(submission.messages or [])
+            )
             prepared = prepare(
                 ClientRequest(
-                    request_id=submission.request_id, tenant=tenant, model=submission.model,
-                    api="nats", prompt=prompt, max_tokens=submission.max_tokens,
-                    temperature=submission.temperature, priority=submission.priority,
-                    deadline_ms=submission.deadline_ms, workflow=submission.workflow,
+                    request_id=submission.request_id,
+                    tenant=tenant,
+                    model=submission.model,
+                    api="nats",
+                    prompt=prompt,
+                    max_tokens=submission.max_tokens,
+                    temperature=submission.temperature,
+                    priority=submission.priority,
+                    deadline_ms=submission.deadline_ms,
+                    workflow=submission.workflow,
                 ),
-                self._rt.config, submission.occurred_at or time.time(),
+                self._rt.config,
+                submission.occurred_at or time.time(),
             )
         except InvalidRequest as exc:
             NATS_SUBMISSIONS.labels("invalid").inc()
@@ -373,18 +452,31 @@ class IngressService:
         )
         NATS_SUBMISSIONS.labels("accepted").inc()
 
-    async def _reject_submission(self, submission: SubmitRequest, tenant: str, out_subject: str,
-                                 exc: InvalidRequest) -> None:
+    async def _reject_submission(
+        self, submission: SubmitRequest, tenant: str, out_subject: str, exc: InvalidRequest
+    ) -> None:
         now = time.time()
         await self._rt.bus.publish(
             out_subject,
-            StreamFailed(event_id=derived_event_id(submission.event_id, "failed"), occurred_at=now,
-                         request_id=submission.request_id, seq=0, code="invalid",
-                         message=exc.message, http_status=exc.status),
+            StreamFailed(
+                event_id=derived_event_id(submission.event_id, "failed"),
+                occurred_at=now,
+                request_id=submission.request_id,
+                seq=0,
+                code="invalid",
+                message=exc.message,
+                http_status=exc.status,
+            ),
         )
         await self._rt.bus.publish(
             event_subject("rejected"),
-            RequestRejected(event_id=derived_event_id(submission.event_id, "rejected"),
-                            occurred_at=now, request_id=submission.request_id, tenant=tenant,
-                            stage="ingress", reason="invalid", message=exc.message),
+            RequestRejected(
+                event_id=derived_event_id(submission.event_id, "rejected"),
+                occurred_at=now,
+                request_id=submission.request_id,
+                tenant=tenant,
+                stage="ingress",
+                reason="invalid",
+                message=exc.message,
+            ),
         )

@@ -132,7 +132,9 @@ class Bus:
 
     # ------------------------------------------------------------ publishing
 
-    async def publish(self, subject: str, event: Event, *, timeout_s: float = PUBLISH_TIMEOUT_S) -> None:
+    async def publish(
+        self, subject: str, event: Event, *, timeout_s: float = PUBLISH_TIMEOUT_S
+    ) -> None:
         """Publish to a stream and wait for its ack, inside a producer span.
 
         ``Nats-Msg-Id`` is the event's id, so a retried publish is stored once.

@@ -93,8 +93,14 @@ class _SeenIds:
 class PullFeed:
     """Keeps one pull request outstanding on a durable consumer and yields messages as they come."""
 
-    def __init__(self, bus: Bus, stream: str, durable: str, free_capacity: Callable[[], int],
-                 capacity_freed: asyncio.Event):
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        durable: str,
+        free_capacity: Callable[[], int],
+        capacity_freed: asyncio.Event,
+    ):
         self._bus = bus
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._free_capacity = free_capacity
@@ -136,7 +142,9 @@ class PullFeed:
                 "idle_heartbeat": int(PULL_HEARTBEAT_S * 1e9),
             }
             try:
-                await self._bus.nc.publish(self._api, json.dumps(request).encode(), reply=self._inbox)
+                await self._bus.nc.publish(
+                    self._api, json.dumps(request).encode(), reply=self._inbox
+                )
             except Exception as exc:  # disconnected: the client reconnects, we retry
                 log.warning("pull request failed", extra={"error": repr(exc)})
                 await asyncio.sleep(0.25)
@@ -364,4 +372,3 @@ def _request_id_attribute(event: object) -> dict[str, str]:
         inner = getattr(event, "request", None)
         request_id = getattr(inner, "request_id", None)
     return {REQUEST_ID: request_id} if isinstance(request_id, str) else {}
-

@@ -55,21 +55,33 @@ class EmbeddedNats:
         log_path = self.data_dir / "nats-server.log"
         args = [
             nats_server_binary(),
-            "--addr", "127.0.0.1",
-            "--port", str(self.port),
+            "--addr",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             "--jetstream",
-            "--store_dir", str(store),
-            "--server_name", self.name,
-            "--log", str(log_path),
+            "--store_dir",
+            str(store),
+            "--server_name",
+            self.name,
+            "--log",
+            str(log_path),
         ]
         self._process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
+                err = (
+                    self._process.stderr.read().decode(errors="replace")
+                    if self._process.stderr
+                    else ""
+                )
                 raise NatsServerError(f"nats-server exited at start-up: {err.strip()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):

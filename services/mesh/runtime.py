@@ -119,7 +119,9 @@ class Runtime:
     async def consume(
         self, spec: ConsumerSpec, event_type: Any, handler: Handler[Any], *, max_inflight: int = 64
     ) -> Consumer[Any]:
-        consumer: Consumer[Any] = Consumer(self.bus, spec, event_type, handler, max_inflight=max_inflight)
+        consumer: Consumer[Any] = Consumer(
+            self.bus, spec, event_type, handler, max_inflight=max_inflight
+        )
         await consumer.start()
         self.consumers.append(consumer)
         return consumer
@@ -132,12 +134,16 @@ class Runtime:
         def done(t: asyncio.Task[Any]) -> None:
             self._tasks.discard(t)
             if not t.cancelled() and t.exception() is not None:
-                log.error("background task failed", extra={"task": name, "error": repr(t.exception())})
+                log.error(
+                    "background task failed", extra={"task": name, "error": repr(t.exception())}
+                )
 
         task.add_done_callback(done)
         return task
 
-    async def every(self, interval_s: float, tick: Callable[[], Awaitable[None]], name: str) -> None:
+    async def every(
+        self, interval_s: float, tick: Callable[[], Awaitable[None]], name: str
+    ) -> None:
         """Run `tick` every `interval_s` until cancelled; a failing tick is logged, not fatal."""
         while True:
             try:
@@ -166,10 +172,19 @@ def _http_app(runtime_ref: dict[str, Any], service: Service) -> Starlette:
         runtime: Runtime | None = runtime_ref.get("runtime")
         ready = runtime is not None and runtime_ref.get("ready", False)
         connected = bool(runtime and runtime.bus.nc.is_connected)
-        body = {"service": service.name, "ready": ready, "nats_connected": connected, **service.health()}
+        body = {
+            "service": service.name,
+            "ready": ready,
+            "nats_connected": connected,
+            **service.health(),
+        }
         return JSONResponse(body, status_code=200 if ready and connected else 503)
 
-    routes: list[BaseRoute] = [Route("/metrics", metrics), Route("/healthz", healthz), *service.routes()]
+    routes: list[BaseRoute] = [
+        Route("/metrics", metrics),
+        Route("/healthz", healthz),
+        *service.routes(),
+    ]
     return Starlette(routes=routes)
 
 
@@ -200,7 +215,9 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
     await service.start(runtime)
     runtime_ref["ready"] = True
     UP.labels(service.name).set(1)
-    log.info("service started", extra={"nats_url": options.nats_url, "http_port": options.http_port})
+    log.info(
+        "service started", extra={"nats_url": options.nats_url, "http_port": options.http_port}
+    )
     try:
         await stop.wait()
     finally:

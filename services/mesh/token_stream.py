@@ -96,9 +96,7 @@ class TokenStream:
                                 f"token {self.next_seq} of {self.subject} is missing"
                             ) from None
                         continue
-                    raise StreamTimeout(
-                        f"no token for {self.subject} within {wait:.0f}s"
-                    ) from None
+                    raise StreamTimeout(f"no token for {self.subject} within {wait:.0f}s") from None
                 decoded = self._decode(msg)
                 if decoded is None or decoded.seq < self.next_seq:
                     continue  # malformed, or a duplicate of one already yielded

@@ -63,8 +63,10 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
         "status": span.status.status_code.name,
         "attributes": dict(span.attributes or {}),
         "links": [
-            {"trace_id": format(link.context.trace_id, "032x"),
-             "span_id": format(link.context.span_id, "016x")}
+            {
+                "trace_id": format(link.context.trace_id, "032x"),
+                "span_id": format(link.context.span_id, "016x"),
+            }
             for link in span.links
         ],
     }
@@ -82,7 +84,9 @@ def setup_tracing(service: str, data_dir: Path) -> TracerProvider:
     global _provider
     if _provider is not None:
         return _provider
-    resource = Resource.create({"service.name": f"ripplemesh-{service}", "service.namespace": "ripplemesh"})
+    resource = Resource.create(
+        {"service.name": f"ripplemesh-{service}", "service.namespace": "ripplemesh"}
+    )
     provider = TracerProvider(resource=resource)
     exporter: SpanExporter
     if otlp_configured():

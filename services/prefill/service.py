@@ -28,11 +28,17 @@ class PrefillService:
         settings = runtime.options.extra
         worker_id = settings["worker_id"]
         engine = make_engine(settings, runtime.config)
-        self.host = EngineHost(runtime, engine, worker_id=worker_id, role="prefill",
-                               pool=settings.get("pool") or f"prefill-{engine.info.gpu_type}")
+        self.host = EngineHost(
+            runtime,
+            engine,
+            worker_id=worker_id,
+            role="prefill",
+            pool=settings.get("pool") or f"prefill-{engine.info.gpu_type}",
+        )
         await self.host.start()
-        await runtime.consume(worker_consumer("prefill", worker_id), PrefillWork, self._on_work,
-                              max_inflight=256)
+        await runtime.consume(
+            worker_consumer("prefill", worker_id), PrefillWork, self._on_work, max_inflight=256
+        )
 
     async def stop(self) -> None:
         if self.host is not None:
@@ -57,11 +63,14 @@ class PrefillService:
             await host.runtime.bus.publish(
                 work_subject("decode", work.decode_worker),
                 DecodeWork(
-                    event_id=derived_event_id(work.event_id, "decode"), occurred_at=time.time(),
-                    request=request, prefill_worker=host.worker_id,
+                    event_id=derived_event_id(work.event_id, "decode"),
+                    occurred_at=time.time(),
+                    request=request,
+                    prefill_worker=host.worker_id,
                     decode_worker=work.decode_worker,
                     kv=msgspec.structs.replace(result.kv, source_worker=host.worker_id),
-                    first_token_id=result.first_token_id, cached_tokens=result.cached_tokens,
+                    first_token_id=result.first_token_id,
+                    cached_tokens=result.cached_tokens,
                 ),
             )
         finally:

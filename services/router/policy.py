@@ -65,14 +65,23 @@ class NoPlacement:
 
 def load(worker: WorkerView, state: RouterState) -> float:
     kv = worker.kv_blocks_used / worker.kv_blocks_total if worker.kv_blocks_total else 1.0
-    return worker.queue_depth + worker.running + state.placed_since_heartbeat.get(worker.worker_id, 0) + kv
+    return (
+        worker.queue_depth
+        + worker.running
+        + state.placed_since_heartbeat.get(worker.worker_id, 0)
+        + kv
+    )
 
 
 def _tie_break(request_id: str, worker_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{request_id}/{worker_id}".encode(), digest_size=4).digest())
+    return int.from_bytes(
+        hashlib.blake2b(f"{request_id}/{worker_id}".encode(), digest_size=4).digest()
+    )
 
 
-def _least_loaded(workers: Iterable[WorkerView], state: RouterState, request_id: str) -> WorkerView | None:
+def _least_loaded(
+    workers: Iterable[WorkerView], state: RouterState, request_id: str
+) -> WorkerView | None:
     return min(
         workers,
         key=lambda w: (load(w, state), _tie_break(request_id, w.worker_id)),
@@ -82,7 +91,8 @@ def _least_loaded(workers: Iterable[WorkerView], state: RouterState, request_id:
 
 def live_workers(state: RouterState, model: str, now: float) -> list[WorkerView]:
     return [
-        w for w in state.workers.values()
+        w
+        for w in state.workers.values()
         if w.model == model and not w.draining and now - w.heartbeat_at <= LIVENESS_S
     ]
 
@@ -105,8 +115,12 @@ def place(
         return NoPlacement("no_workers", f"no live decode worker serves model {model!r}")
     prefill = _least_loaded((w for w in live if w.role == "prefill"), state, request_id)
     decode_load = load(decode, state)
-    state.placed_since_heartbeat[decode.worker_id] = state.placed_since_heartbeat.get(decode.worker_id, 0) + 1
+    state.placed_since_heartbeat[decode.worker_id] = (
+        state.placed_since_heartbeat.get(decode.worker_id, 0) + 1
+    )
     if prefill is None:
         return Placement("aggregated", decode.worker_id, decode.worker_id, len(live), decode_load)
-    state.placed_since_heartbeat[prefill.worker_id] = state.placed_since_heartbeat.get(prefill.worker_id, 0) + 1
+    state.placed_since_heartbeat[prefill.worker_id] = (
+        state.placed_since_heartbeat.get(prefill.worker_id, 0) + 1
+    )
     return Placement("disaggregated", prefill.worker_id, decode.worker_id, len(live), decode_load)

@@ -40,10 +40,16 @@ _worker_decoder = msgspec.json.Decoder(WorkerState)
 
 def view_of(state: WorkerState) -> WorkerView:
     return WorkerView(
-        worker_id=state.worker_id, role=state.role, model=state.model,
-        block_size=state.block_size, queue_depth=state.queue_depth, running=state.running,
-        kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
-        heartbeat_at=state.occurred_at, draining=state.draining,
+        worker_id=state.worker_id,
+        role=state.role,
+        model=state.model,
+        block_size=state.block_size,
+        queue_depth=state.queue_depth,
+        running=state.running,
+        kv_blocks_total=state.kv_blocks_total,
+        kv_blocks_used=state.kv_blocks_used,
+        heartbeat_at=state.occurred_at,
+        draining=state.draining,
     )
 
 
@@ -88,7 +94,9 @@ class RouterService:
                     try:
                         worker = _worker_decoder.decode(entry.value)
                     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        log.warning("bad worker state ignored", extra={"key": entry.key, "error": str(exc)})
+                        log.warning(
+                            "bad worker state ignored", extra={"key": entry.key, "error": str(exc)}
+                        )
                         continue
                     self.state.observe(view_of(worker))
                     LIVE_WORKERS.set(len(live_workers_any(self.state)))
@@ -109,8 +117,13 @@ class RouterService:
         give_up_at = loop.time() + WAIT_FOR_WORKERS_S
         with tracer().start_as_current_span("router.decide") as span:
             while True:
-                decision = place(self.state, request_id=request.request_id, model=request.model,
-                                 block_size=request.block_size, now=time.time())
+                decision = place(
+                    self.state,
+                    request_id=request.request_id,
+                    model=request.model,
+                    block_size=request.block_size,
+                    now=time.time(),
+                )
                 if not (isinstance(decision, NoPlacement) and decision.reason == "no_workers"):
                     break
                 remaining = give_up_at - loop.time()
@@ -118,33 +131,47 @@ class RouterService:
                     break
                 self._workers_changed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._workers_changed.wait(), timeout=min(remaining, 0.25))
+                    await asyncio.wait_for(
+                        self._workers_changed.wait(), timeout=min(remaining, 0.25)
+                    )
             if isinstance(decision, NoPlacement):
                 span.set_attribute("ripple.router.outcome", decision.reason)
                 await self._reject(event, decision)
                 return
-            span.set_attributes({
-                "ripple.router.mode": decision.mode,
-                "ripple.router.prefill_worker": decision.prefill_worker,
-                "ripple.router.decode_worker": decision.decode_worker,
-                "ripple.router.candidates": decision.candidates,
-                "ripple.router.decode_load": decision.decode_load,
-            })
+            span.set_attributes(
+                {
+                    "ripple.router.mode": decision.mode,
+                    "ripple.router.prefill_worker": decision.prefill_worker,
+                    "ripple.router.decode_worker": decision.decode_worker,
+                    "ripple.router.candidates": decision.candidates,
+                    "ripple.router.decode_load": decision.decode_load,
+                }
+            )
         now = time.time()
         PLACEMENTS.labels(decision.mode).inc()
         await self.runtime.bus.publish(
             work_subject("prefill", decision.prefill_worker),
-            PrefillWork(event_id=derived_event_id(event.event_id, "prefill"), occurred_at=now,
-                        request=request, prefill_worker=decision.prefill_worker,
-                        decode_worker=decision.decode_worker),
+            PrefillWork(
+                event_id=derived_event_id(event.event_id, "prefill"),
+                occurred_at=now,
+                request=request,
+                prefill_worker=decision.prefill_worker,
+                decode_worker=decision.decode_worker,
+            ),
         )
         await self.runtime.bus.publish(
             event_subject("routed"),
-            RequestRouted(event_id=derived_event_id(event.event_id, "routed"), occurred_at=now,
-                          request_id=request.request_id, tenant=request.tenant, mode=decision.mode,
-                          prefill_worker=decision.prefill_worker,
-                          decode_worker=decision.decode_worker, candidates=decision.candidates,
-                          predicted_load=decision.decode_load),
+            RequestRouted(
+                event_id=derived_event_id(event.event_id, "routed"),
+                occurred_at=now,
+                request_id=request.request_id,
+                tenant=request.tenant,
+                mode=decision.mode,
+                prefill_worker=decision.prefill_worker,
+                decode_worker=decision.decode_worker,
+                candidates=decision.candidates,
+                predicted_load=decision.decode_load,
+            ),
         )
 
     async def _reject(self, event: RequestAdmitted, decision: NoPlacement) -> None:
@@ -154,15 +181,29 @@ class RouterService:
         status = 503 if decision.reason == "no_workers" else 500
         await self.runtime.bus.publish(
             tokens_subject(request.tenant, request.request_id),
-            StreamFailed(event_id=derived_event_id(event.event_id, "failed"), occurred_at=now,
-                         request_id=request.request_id, seq=0, code=decision.reason,
-                         message=decision.message, http_status=status, retry_after_s=5.0),
+            StreamFailed(
+                event_id=derived_event_id(event.event_id, "failed"),
+                occurred_at=now,
+                request_id=request.request_id,
+                seq=0,
+                code=decision.reason,
+                message=decision.message,
+                http_status=status,
+                retry_after_s=5.0,
+            ),
         )
         await self.runtime.bus.publish(
             event_subject("rejected"),
-            RequestRejected(event_id=derived_event_id(event.event_id, "rejected"), occurred_at=now,
-                            request_id=request.request_id, tenant=request.tenant, stage="router",
-                            reason=decision.reason, message=decision.message, retry_after_s=5.0),
+            RequestRejected(
+                event_id=derived_event_id(event.event_id, "rejected"),
+                occurred_at=now,
+                request_id=request.request_id,
+                tenant=request.tenant,
+                stage="router",
+                reason=decision.reason,
+                message=decision.message,
+                retry_after_s=5.0,
+            ),
         )
 
 

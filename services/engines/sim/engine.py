@@ -290,7 +290,9 @@ class SimEngine:
             seq.decode_gpu_s += per_sequence
             seq.generated += 1
             finished = seq.generated >= seq.request.max_tokens
-            seq.steps.put_nowait(DecodeStep([self._next_token(seq)], "length" if finished else None))
+            seq.steps.put_nowait(
+                DecodeStep([self._next_token(seq)], "length" if finished else None)
+            )
             if finished:
                 del self._decoding[seq.request.request_id]
         if step_time > 0:

@@ -1,0 +1,105 @@
+"""`ripplemesh up` as a user runs it: one command, the official OpenAI client, a clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from services.mesh.embedded_nats import free_port
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    data_dir = tmp_path / "mesh-data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "NATS_URL"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ripplemesh",
+            "up",
+            "--http-port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--time-scale",
+            "0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        deadline = time.monotonic() + 90
+        lines = []
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        assert lines and lines[-1].startswith("READY"), "".join(lines)
+
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="rm-demo-key", max_retries=0
+        )
+        assert [m.id for m in client.models.list()] == ["llama-3-8b"]
+        stream = client.chat.completions.create(
+            model="llama-3-8b",
+            messages=[{"role": "user", "content": "Say something."}],
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage, finish = [], None, None
+        for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        assert usage is not None and usage.completion_tokens == 24
+        assert usage.prompt_tokens > 0
+        assert finish == "length"
+        assert len([p for p in pieces if p]) == 24 and "".join(pieces).strip()
+
+        completion = client.completions.create(model="llama-3-8b", prompt="Once upon", max_tokens=5)
+        assert completion.usage is not None and completion.usage.completion_tokens == 5
+        assert completion.choices[0].text.strip()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert returncode == 0
+    # Every service and the embedded nats-server are gone.
+    time.sleep(0.5)
+    assert _processes_mentioning(str(data_dir)) == []
