@@ -63,22 +63,14 @@ def main() -> None:
 @click.option("--nats-url", envvar="NATS_URL", required=True, help="NATS server to join.")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
-@click.option(
-    "--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API)."
-)
+@click.option("--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API).")
 @click.option("--http-host", default="127.0.0.1")
-@click.option(
-    "--worker-id", default=None, help="Worker id (prefill/decode); stable across restarts."
-)
+@click.option("--worker-id", default=None, help="Worker id (prefill/decode); stable across restarts.")
 @click.option("--engine", default="sim", type=click.Choice(["sim"]))
 @click.option("--gpu", default="H100", help="GPU type the sim engine models.")
 @click.option("--model", default=None, help="Model to serve (default: the config's first).")
-@click.option(
-    "--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time."
-)
-@click.option(
-    "--database-url", default=None, help="Ledger database (default SQLite in the data dir)."
-)
+@click.option("--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time.")
+@click.option("--database-url", default=None, help="Ledger database (default SQLite in the data dir).")
 def run(
     service: str,
     nats_url: str,
@@ -124,14 +116,10 @@ def run(
 
 @main.command()
 @click.option("--engine", default="sim", type=click.Choice(["sim"]))
-@click.option(
-    "--prefill", default=1, show_default=True, help="Prefill workers (0: aggregated serving)."
-)
+@click.option("--prefill", default=1, show_default=True, help="Prefill workers (0: aggregated serving).")
 @click.option("--decode", default=1, show_default=True, help="Decode workers.")
 @click.option("--http-port", default=8000, show_default=True)
-@click.option(
-    "--nats-url", envvar="NATS_URL", default=None, help="Use this NATS instead of an embedded one."
-)
+@click.option("--nats-url", envvar="NATS_URL", default=None, help="Use this NATS instead of an embedded one.")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
 @click.option("--gpu", default="H100", show_default=True)

@@ -29,6 +29,7 @@ from schemas.events import (
     new_event_id,
 )
 from schemas.subjects import request_subject, tokens_subject
+from services.mesh.bus import nats_servers
 from services.mesh.token_stream import TokenStream
 
 
@@ -75,7 +76,7 @@ class MeshClient:
     async def connect(self) -> MeshClient:
         if self._nc is None:
             self._nc = await nats.connect(
-                self.nats_url,
+                nats_servers(self.nats_url),
                 name=f"ripplemesh-client-{self.tenant}",
                 connect_timeout=5,
                 max_reconnect_attempts=-1,

@@ -90,19 +90,11 @@ class Mesh:
         engine = ["--engine", self.engine, "--gpu", self.gpu, "--time-scale", str(self.time_scale)]
         children = []
         for i in range(self.decode):
-            children.append(
-                self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine)
-            )
+            children.append(self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine))
         for i in range(self.prefill):
-            children.append(
-                self._child(f"prefill-{i}", "prefill", "--worker-id", f"prefill-{i}", *engine)
-            )
+            children.append(self._child(f"prefill-{i}", "prefill", "--worker-id", f"prefill-{i}", *engine))
         for name in SERVICES_IN_ORDER:
-            extra = (
-                ["--database-url", self.database_url]
-                if name == "ledger" and self.database_url
-                else []
-            )
+            extra = ["--database-url", self.database_url] if name == "ledger" and self.database_url else []
             port = self.http_port if name == "ingress" else None
             children.append(self._child(name, name, *extra, http_port=port))
         return children
@@ -144,9 +136,7 @@ class Mesh:
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{child.name} not healthy within {timeout_s}s; see {child.log_path}"
-                )
+                raise TimeoutError(f"{child.name} not healthy within {timeout_s}s; see {child.log_path}")
             time.sleep(0.1)
 
     def child(self, name: str) -> Child:

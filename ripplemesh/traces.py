@@ -39,9 +39,7 @@ def load_spans(data_dir: Path) -> list[dict[str, Any]]:
 def load_request_trace(data_dir: Path, request_id: str) -> list[dict[str, Any]]:
     """Every span of the trace(s) that carry this request id."""
     spans = load_spans(data_dir)
-    trace_ids = {
-        s["trace_id"] for s in spans if s.get("attributes", {}).get(REQUEST_ID) == request_id
-    }
+    trace_ids = {s["trace_id"] for s in spans if s.get("attributes", {}).get(REQUEST_ID) == request_id}
     return sorted((s for s in spans if s["trace_id"] in trace_ids), key=lambda s: s["start_ns"])
 
 
@@ -51,9 +49,7 @@ def _label(span: dict[str, Any]) -> str:
     attrs = span.get("attributes", {})
     shown = " ".join(f"{k.split('.')[-1]}={attrs[k]}" for k in KEY_ATTRIBUTES if k in attrs)
     status = " [red]ERROR[/]" if span.get("status") == "ERROR" else ""
-    return (
-        f"[bold]{span['name']}[/] [cyan]{service}[/] {duration_ms:.2f} ms{status} [dim]{shown}[/]"
-    )
+    return f"[bold]{span['name']}[/] [cyan]{service}[/] {duration_ms:.2f} ms{status} [dim]{shown}[/]"
 
 
 def render_tree(spans: list[dict[str, Any]]) -> Tree:

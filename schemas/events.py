@@ -287,12 +287,7 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.message.v1"):
 # ---------------------------------------------------------------- unions, one per subject family
 
 LifecycleEvent = (
-    RequestRejected
-    | RequestRouted
-    | PrefillCompleted
-    | DecodeCompleted
-    | RequestFailed
-    | FleetObserved
+    RequestRejected | RequestRouted | PrefillCompleted | DecodeCompleted | RequestFailed | FleetObserved
 )
 TokenEvent = TokenChunk | StreamFinished | StreamFailed
 WorkItem = PrefillWork | DecodeWork

@@ -181,8 +181,7 @@ def channels() -> tuple[Channel, ...]:
             id="prepared",
             address=subjects.prepared_subject(_param("tenant")),
             title="Prepared requests",
-            description="Validated, tokenized requests (from HTTP and NATS clients), for "
-            "admission.",
+            description="Validated, tokenized requests (from HTTP and NATS clients), for admission.",
             messages=(events.RequestPrepared,),
             parameters={"tenant": _TENANT},
             publishers="Ingress publishes each validated, tokenized request.",
@@ -286,9 +285,8 @@ def channels() -> tuple[Channel, ...]:
             "by worker id.",
             messages=(events.WorkerState,),
             parameters={"worker": _WORKER},
-            publishers="Every prefill/decode worker puts its WorkerState under its id at each "
-            "heartbeat.",
-            consumers="Admission, the router and the autoscaler watch the bucket for the "
+            publishers="Every prefill/decode worker puts its WorkerState under its id at each heartbeat.",
+            consumers="The router watches the bucket and the autoscaler reads it, for the "
             "fleet's capacity, load and cache contents.",
             kv_bucket=True,
         ),
@@ -324,9 +322,7 @@ def event_subjects() -> dict[str, str]:
 def events_schema() -> JsonObject:
     """One JSON Schema (draft 2020-12) document of every event, a `oneOf` by `type` tag."""
     types = event_types()
-    (union,), defs = msgspec.json.schema_components(
-        (events.AnyEvent,), ref_template="#/$defs/{name}"
-    )
+    (union,), defs = msgspec.json.schema_components((events.AnyEvent,), ref_template="#/$defs/{name}")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "ripplemesh events",
@@ -346,8 +342,7 @@ def events_schema() -> JsonObject:
 def headers_schema() -> JsonObject:
     return {
         "type": "object",
-        "description": "NATS message headers. Trace context travels only here, never in the "
-        "payload.",
+        "description": "NATS message headers. Trace context travels only here, never in the payload.",
         "properties": {
             "Nats-Msg-Id": {
                 "type": "string",
@@ -390,8 +385,7 @@ def _channel_doc(channel: Channel) -> JsonObject:
         "title": channel.title,
         "parameters": channel.parameters,
         "messages": {
-            cls.__name__: {"$ref": f"#/components/messages/{cls.__name__}"}
-            for cls in channel.messages
+            cls.__name__: {"$ref": f"#/components/messages/{cls.__name__}"} for cls in channel.messages
         },
     }
     if channel.kv_bucket:
@@ -404,9 +398,7 @@ def _channel_doc(channel: Channel) -> JsonObject:
         }
         return doc
     stream = stream_for(channel.address)
-    doc["description"] = (
-        f"{channel.description} Carried by stream {stream.name}: {stream.description}"
-    )
+    doc["description"] = f"{channel.description} Carried by stream {stream.name}: {stream.description}"
     doc["x-ripplemesh-stream"] = {
         "name": stream.name,
         "description": stream.description,
@@ -424,9 +416,7 @@ def _channel_doc(channel: Channel) -> JsonObject:
 
 
 def _operations(channel: Channel) -> dict[str, JsonObject]:
-    refs = [
-        {"$ref": f"#/channels/{channel.id}/messages/{cls.__name__}"} for cls in channel.messages
-    ]
+    refs = [{"$ref": f"#/channels/{channel.id}/messages/{cls.__name__}"} for cls in channel.messages]
     suffix = channel.id[0].upper() + channel.id[1:]
     return {
         f"publish{suffix}": {
@@ -448,9 +438,7 @@ def asyncapi() -> JsonObject:
     """An AsyncAPI 3.0.0 document of every channel, operation and message of the bus."""
     all_channels = channels()
     event_subjects()  # fails when an event of the contract has no channel
-    _, schemas = msgspec.json.schema_components(
-        event_types(), ref_template="#/components/schemas/{name}"
-    )
+    _, schemas = msgspec.json.schema_components(event_types(), ref_template="#/components/schemas/{name}")
     if HEADERS_SCHEMA in schemas:
         raise RuntimeError(f"a Struct is named {HEADERS_SCHEMA}, the headers schema's name")
     schemas[HEADERS_SCHEMA] = headers_schema()

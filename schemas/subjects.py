@@ -150,15 +150,11 @@ WORKERS = KvBucketSpec(
 )
 KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS,)
 
-INGRESS_CONSUMER = ConsumerSpec(
-    durable="ingress", stream="REQUESTS", filter_subject=f"{PREFIX}.req.*"
-)
+INGRESS_CONSUMER = ConsumerSpec(durable="ingress", stream="REQUESTS", filter_subject=f"{PREFIX}.req.*")
 ADMISSION_CONSUMER = ConsumerSpec(
     durable="admission", stream="REQUESTS", filter_subject=f"{PREFIX}.prepared.*"
 )
-ROUTER_CONSUMER = ConsumerSpec(
-    durable="router", stream="ADMITTED", filter_subject=f"{PREFIX}.admitted.*"
-)
+ROUTER_CONSUMER = ConsumerSpec(durable="router", stream="ADMITTED", filter_subject=f"{PREFIX}.admitted.*")
 LEDGER_CONSUMER = ConsumerSpec(
     durable="ledger",
     stream="LIFECYCLE",

@@ -49,9 +49,7 @@ async def stream(bus: Bus) -> tuple[StreamSpec, ConsumerSpec]:
     return spec, consumer
 
 
-async def _dead_letters(
-    bus: Bus, stream: str, expected: int, timeout_s: float = 10
-) -> list[DeadLetter]:
+async def _dead_letters(bus: Bus, stream: str, expected: int, timeout_s: float = 10) -> list[DeadLetter]:
     """Read this test stream's dead letters back from the DLQ stream."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -70,9 +68,7 @@ async def _dead_letters(
         await asyncio.sleep(0.1)
 
 
-async def test_malformed_message_is_dead_lettered_and_the_consumer_goes_on(
-    bus: Bus, stream
-) -> None:
+async def test_malformed_message_is_dead_lettered_and_the_consumer_goes_on(bus: Bus, stream) -> None:
     spec, consumer_spec = stream
     handled: list[str] = []
 
@@ -83,9 +79,7 @@ async def test_malformed_message_is_dead_lettered_and_the_consumer_goes_on(
     await consumer.start()
     try:
         await bus.js.publish(f"test.{spec.name}.a", b"{not json")
-        await bus.js.publish(
-            f"test.{spec.name}.a", b'{"type": "request.rejected.v1", "event_id": "x"}'
-        )
+        await bus.js.publish(f"test.{spec.name}.a", b'{"type": "request.rejected.v1", "event_id": "x"}')
         good = _event()
         await bus.js.publish(f"test.{spec.name}.a", encode_event(good))
         letters = await _dead_letters(bus, spec.name, 2)
@@ -129,9 +123,7 @@ async def test_transient_failure_is_retried_and_handled_once(bus: Bus, stream) -
         await consumer.stop()
 
 
-async def test_failures_past_max_deliver_and_permanent_errors_are_dead_lettered(
-    bus: Bus, stream
-) -> None:
+async def test_failures_past_max_deliver_and_permanent_errors_are_dead_lettered(bus: Bus, stream) -> None:
     spec, consumer_spec = stream
 
     async def handler(event: RequestRejected, delivery: Delivery) -> None:

@@ -23,9 +23,7 @@ from schemas.events import (
 from services.ledger.pricing import PricingError, price_gpu_seconds
 from services.ledger.store import MIGRATIONS, LedgerStore
 
-PG_URL = os.environ.get(
-    "RIPPLEMESH_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
-)
+PG_URL = os.environ.get("RIPPLEMESH_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 
 PRICES = {"h100": 3.60, "a10g": 1.20}
 H100_PER_S = 3.60 / 3600
@@ -278,9 +276,7 @@ async def test_scripted_sequence_costs(store: LedgerStore) -> None:
     assert totals["requests_total"] == 4
     assert totals["prefill_spend_usd"] == pytest.approx(r1_prefill + r2_prefill + r3_prefill)
     assert totals["decode_spend_usd"] == pytest.approx(r1_decode + r2_decode)
-    assert totals["spend_usd"] == pytest.approx(
-        r1_prefill + r1_decode + r2_prefill + r2_decode + r3_prefill
-    )
+    assert totals["spend_usd"] == pytest.approx(r1_prefill + r1_decode + r2_prefill + r2_decode + r3_prefill)
     assert totals["prefill_gpu_seconds"] == pytest.approx(28.0)
     assert totals["decode_gpu_seconds"] == pytest.approx(80.0)
     assert totals["gpu_seconds"] == pytest.approx(108.0)

@@ -45,10 +45,7 @@ async def test_mesh_client_receives_every_chunk_in_order(mesh: Mesh) -> None:
 async def test_concurrent_requests_all_complete(mesh: Mesh) -> None:
     async with MeshClient(mesh.url, "acme") as client:
         results = await asyncio.gather(
-            *(
-                client.complete(prompt=f"request number {i} for the fleet", max_tokens=12)
-                for i in range(30)
-            )
+            *(client.complete(prompt=f"request number {i} for the fleet", max_tokens=12) for i in range(30))
         )
     assert [r.usage.completion_tokens for r in results] == [12] * 30
     assert len({r.request_id for r in results}) == 30
@@ -93,9 +90,7 @@ async def test_bad_http_input_gets_a_clear_error_and_the_mesh_keeps_serving(mesh
     async with httpx.AsyncClient(timeout=30) as http:
         r = await http.post(url, json=good, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        r = await http.post(
-            url, content=b"{nope", headers={**auth, "content-type": "application/json"}
-        )
+        r = await http.post(url, content=b"{nope", headers={**auth, "content-type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
         r = await http.post(url, json={**good, "max_tokens": "many"}, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
@@ -143,14 +138,10 @@ async def test_malformed_nats_submission_is_dead_lettered_and_serving_goes_on(me
         found = None
         deadline = time.monotonic() + 10
         while found is None and time.monotonic() < deadline:
-            sub = await js.subscribe(
-                dlq_subject(REQUESTS.name), stream=DLQ.name, ordered_consumer=True
-            )
+            sub = await js.subscribe(dlq_subject(REQUESTS.name), stream=DLQ.name, ordered_consumer=True)
             try:
                 while True:
-                    letter = msgspec.json.decode(
-                        (await sub.next_msg(timeout=0.5)).data, type=DeadLetter
-                    )
+                    letter = msgspec.json.decode((await sub.next_msg(timeout=0.5)).data, type=DeadLetter)
                     if marker.encode() in letter.data:
                         found = letter
             except TimeoutError:

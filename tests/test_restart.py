@@ -26,9 +26,7 @@ async def test_ledger_killed_mid_stream_counts_every_request_exactly_once(mesh: 
     requests, max_tokens = 40, 20
     async with MeshClient(mesh.url, "acme") as client:
         tasks = [
-            asyncio.create_task(
-                client.complete(prompt=f"restart {i} of the ledger", max_tokens=max_tokens)
-            )
+            asyncio.create_task(client.complete(prompt=f"restart {i} of the ledger", max_tokens=max_tokens))
             for i in range(requests)
         ]
         # Kill the ledger without warning while requests are completing.

@@ -279,9 +279,7 @@ def _tag(cls: type[Event]) -> str:
 
 def _valid_chunk() -> dict[str, Any]:
     raw: dict[str, Any] = msgspec.to_builtins(
-        TokenChunk(
-            event_id=_id(99), occurred_at=NOW, request_id="req-1", seq=3, token_ids=[1], text="a"
-        )
+        TokenChunk(event_id=_id(99), occurred_at=NOW, request_id="req-1", seq=3, token_ids=[1], text="a")
     )
     return raw
 

@@ -66,9 +66,7 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path) -> None:
                 break
         assert lines and lines[-1].startswith("READY"), "".join(lines)
 
-        client = OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="rm-demo-key", max_retries=0
-        )
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="rm-demo-key", max_retries=0)
         assert [m.id for m in client.models.list()] == ["llama-3-8b"]
         stream = client.chat.completions.create(
             model="llama-3-8b",

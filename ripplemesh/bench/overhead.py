@@ -35,9 +35,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _paced(
-    count: int, rate: float, one: object, progress: Progress, label: str
-) -> list[float]:
+async def _paced(count: int, rate: float, one: object, progress: Progress, label: str) -> list[float]:
     task = progress.add_task(label, total=count)
     results: list[float] = []
 
@@ -56,9 +54,7 @@ async def _paced(
     return results
 
 
-async def _measure(
-    url: str, rate: float, count: int, progress: Progress
-) -> tuple[list[float], list[float]]:
+async def _measure(url: str, rate: float, count: int, progress: Progress) -> tuple[list[float], list[float]]:
     async with MeshClient(url, "demo", first_token_timeout_s=30) as client:
 
         async def mesh_ttft(i: int) -> float:
@@ -96,9 +92,7 @@ async def _measure(
     return mesh, floor
 
 
-def run_overhead_bench(
-    *, rate: float, count: int, prefill: int, console: Console
-) -> dict[str, float]:
+def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Console) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="ripplemesh-bench-") as tmp:
         data = Path(tmp)
         with EmbeddedNats(data / "nats") as server:
@@ -126,9 +120,7 @@ def run_overhead_bench(
     )
     for column in ("", "p50 ms", "p99 ms"):
         table.add_column(column, justify="right")
-    table.add_row(
-        "mesh (5 services, JetStream)", f"{rows['mesh_p50_ms']:.2f}", f"{rows['mesh_p99_ms']:.2f}"
-    )
+    table.add_row("mesh (5 services, JetStream)", f"{rows['mesh_p50_ms']:.2f}", f"{rows['mesh_p99_ms']:.2f}")
     table.add_row(
         f"floor ({HOPS} bare NATS round trips)",
         f"{rows['floor_p50_ms']:.2f}",

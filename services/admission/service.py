@@ -41,9 +41,7 @@ class AdmissionService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        await runtime.consume(
-            ADMISSION_CONSUMER, RequestPrepared, self._on_prepared, max_inflight=256
-        )
+        await runtime.consume(ADMISSION_CONSUMER, RequestPrepared, self._on_prepared, max_inflight=256)
 
     async def stop(self) -> None:
         return None

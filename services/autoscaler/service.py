@@ -21,9 +21,7 @@ from services.mesh.tracing import tracer
 log = logging.getLogger(__name__)
 
 REPLICAS = Gauge("ripplemesh_autoscaler_replicas", "Live replicas per pool.", ["pool"])
-DESIRED = Gauge(
-    "ripplemesh_autoscaler_desired_replicas", "Recommended replicas per pool.", ["pool"]
-)
+DESIRED = Gauge("ripplemesh_autoscaler_desired_replicas", "Recommended replicas per pool.", ["pool"])
 
 _decoder = msgspec.json.Decoder(WorkerState)
 

@@ -81,9 +81,7 @@ class DecodeService:
             await host.fail(work.request, 0, exc, work.event_id)
             return
         try:
-            await host.decode(
-                work.request, result.first_token_id, result.cached_tokens, 0, work.event_id
-            )
+            await host.decode(work.request, result.first_token_id, result.cached_tokens, 0, work.event_id)
         except EngineError as exc:
             host.engine.release(work.request.request_id)
             await host.fail(work.request, 1, exc, work.event_id)

@@ -6,13 +6,20 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from schemas.events import InferenceRequest, KvHandle
 
 
 class EngineError(Exception):
-    """A request this engine cannot serve (too long, unknown model, bad KV); others go on."""
+    """A request this engine cannot serve (too long, unknown model, bad KV); others go on.
+
+    `code` says whose problem it is: "invalid" (the request's) or "capacity" (the engine's).
+    """
+
+    def __init__(self, message: str, *, code: Literal["invalid", "capacity"] = "invalid"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,9 +38,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["worker"])
-GPU_SECONDS = Counter(
-    "ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"]
-)
+GPU_SECONDS = Counter("ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"])
 KV_USED = Gauge("ripplemesh_worker_kv_blocks_used", "KV blocks in use.", ["worker"])
 RUNNING = Gauge("ripplemesh_worker_running", "Sequences decoding.", ["worker"])
 
@@ -67,9 +65,7 @@ class EngineHost:
     async def start(self) -> None:
         await self.engine.start()
         await self.heartbeat()
-        self.runtime.spawn(
-            self.runtime.every(HEARTBEAT_S, self.heartbeat, "heartbeat"), "heartbeat"
-        )
+        self.runtime.spawn(self.runtime.every(HEARTBEAT_S, self.heartbeat, "heartbeat"), "heartbeat")
 
     async def stop(self) -> None:
         self.draining = True
@@ -255,9 +251,9 @@ class EngineHost:
                 occurred_at=now,
                 request_id=request.request_id,
                 seq=seq,
-                code="invalid",
+                code=error.code,
                 message=str(error),
-                http_status=400,
+                http_status=400 if error.code == "invalid" else 503,
             ),
         )
         await self.runtime.bus.publish(

@@ -68,9 +68,7 @@ def prepare(request: ClientRequest, config: MeshConfig, now: float) -> Inference
     if request.temperature < 0 or request.temperature > 2:
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
     if request.deadline_ms is not None and request.deadline_ms < 1:
-        raise InvalidRequest(
-            "the deadline must be a positive number of ms", param="x-ripple-deadline-ms"
-        )
+        raise InvalidRequest("the deadline must be a positive number of ms", param="x-ripple-deadline-ms")
     tokens = _tokenizer.encode(request.prompt)
     if not tokens:
         raise InvalidRequest("the prompt is empty", param="prompt")

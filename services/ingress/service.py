@@ -160,9 +160,7 @@ class IngressService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        await runtime.consume(
-            INGRESS_CONSUMER, SubmitRequest, self._on_submission, max_inflight=256
-        )
+        await runtime.consume(INGRESS_CONSUMER, SubmitRequest, self._on_submission, max_inflight=256)
 
     async def stop(self) -> None:
         return None
@@ -242,9 +240,7 @@ class IngressService:
         span.set_attribute("ripple.tenant", tenant)
         try:
             raw = await self._read_body(request)
-            client_request, stream, include_usage = self._parse(
-                raw, api, request, tenant, request_id
-            )
+            client_request, stream, include_usage = self._parse(raw, api, request, tenant, request_id)
             prepared = prepare(client_request, self._rt.config, time.time())
         except InvalidRequest as exc:
             return _error(exc.status, exc.message, param=exc.param, code=exc.code)
@@ -367,9 +363,7 @@ class IngressService:
                 event = await anext(events, None)
             yield _sse("[DONE]")
         except StreamTimeout as exc:
-            yield _sse(
-                error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout")
-            )
+            yield _sse(error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout"))
             yield _sse("[DONE]")
         finally:
             await tokens.close()
@@ -388,9 +382,7 @@ class IngressService:
                 if isinstance(event, TokenChunk):
                     parts.append(event.text)
                 elif isinstance(event, StreamFinished):
-                    return JSONResponse(
-                        shape.complete("".join(parts), event.finish_reason, event.usage)
-                    )
+                    return JSONResponse(shape.complete("".join(parts), event.finish_reason, event.usage))
                 else:
                     return _error(
                         event.http_status,
@@ -412,15 +404,11 @@ class IngressService:
         out_subject = tokens_subject(tenant, submission.request_id)
         try:
             if tenant not in self._rt.config.tenants:
-                raise InvalidRequest(
-                    f"unknown tenant {tenant!r}", status=403, code="unknown_tenant"
-                )
+                raise InvalidRequest(f"unknown tenant {tenant!r}", status=403, code="unknown_tenant")
             if (submission.prompt is None) == (submission.messages is None):
                 raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
             prompt = (
-                submission.prompt
-                if submission.prompt is not None
-                else render_chat(submission.messages or [])
+                submission.prompt if submission.prompt is not None else render_chat(submission.messages or [])
             )
             prepared = prepare(
                 ClientRequest(

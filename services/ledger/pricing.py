@@ -19,9 +19,7 @@ class PricingError(ValueError):
 def price_gpu_seconds(gpu_type: str, gpu_seconds: float, prices: Mapping[str, float]) -> float:
     """The cost in US$ of `gpu_seconds` on one GPU of `gpu_type`, at `prices` (US$ per hour)."""
     if not math.isfinite(gpu_seconds) or gpu_seconds < 0:
-        raise PricingError(
-            f"invalid GPU time for {gpu_type!r}: {gpu_seconds!r} s (must be finite and >= 0)"
-        )
+        raise PricingError(f"invalid GPU time for {gpu_type!r}: {gpu_seconds!r} s (must be finite and >= 0)")
     price = prices.get(gpu_type)
     if price is None:
         known = ", ".join(sorted(prices)) or "none"

@@ -105,9 +105,7 @@ class LedgerService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        url = runtime.options.extra.get("database_url") or default_database_url(
-            runtime.options.data_dir
-        )
+        url = runtime.options.extra.get("database_url") or default_database_url(runtime.options.data_dir)
         self.store = await LedgerStore.open(url)
         log.info("ledger store open", extra={"dialect": self.store.dialect})
         self.writer = GroupCommit(self.store, runtime.config.gpu_prices_per_hour)
@@ -179,9 +177,7 @@ class LedgerService:
         request_id = request.path_params["request_id"]
         row = await self.store.request(request_id)
         if row is None:
-            return JSONResponse(
-                {"error": "unknown request", "request_id": request_id}, status_code=404
-            )
+            return JSONResponse({"error": "unknown request", "request_id": request_id}, status_code=404)
         return JSONResponse(row)
 
     async def _tenants(self, _: Request) -> JSONResponse:

@@ -254,17 +254,13 @@ class LedgerStore:
             async with self._write() as conn:
                 await self._lock_migrations(conn)
                 done = await conn.scalar(
-                    sa.select(schema_migrations.c.version).where(
-                        schema_migrations.c.version == version
-                    )
+                    sa.select(schema_migrations.c.version).where(schema_migrations.c.version == version)
                 )
                 if done is not None:
                     continue
                 for statement in statements:
                     await conn.exec_driver_sql(self._ddl(statement, version))
-                await conn.execute(
-                    schema_migrations.insert().values(version=version, applied_at=time.time())
-                )
+                await conn.execute(schema_migrations.insert().values(version=version, applied_at=time.time()))
             applied.append(version)
         return applied
 
@@ -279,15 +275,11 @@ class LedgerStore:
         try:
             return statement[self.dialect]
         except KeyError:
-            raise RuntimeError(
-                f"migration {version} has no statement for dialect {self.dialect!r}"
-            ) from None
+            raise RuntimeError(f"migration {version} has no statement for dialect {self.dialect!r}") from None
 
     async def _lock_migrations(self, conn: AsyncConnection) -> None:
         if self.dialect == "postgresql":
-            await conn.execute(
-                sa.select(sa.func.pg_advisory_xact_lock(sa.literal(_PG_MIGRATION_LOCK_KEY)))
-            )
+            await conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.literal(_PG_MIGRATION_LOCK_KEY))))
 
     # ------------------------------------------------------------ ingestion
 
@@ -300,9 +292,7 @@ class LedgerStore:
         async with self._write() as conn:
             return await self._record_in(conn, event, prices, time.time())
 
-    async def record_many(
-        self, batch: Sequence[LifecycleEvent], prices: Mapping[str, float]
-    ) -> list[bool]:
+    async def record_many(self, batch: Sequence[LifecycleEvent], prices: Mapping[str, float]) -> list[bool]:
         """Record several events in one transaction (group commit); one flag per event."""
         now = time.time()
         async with self._write() as conn:
@@ -395,9 +385,7 @@ class LedgerStore:
                 now,
                 insert={"workflow_id": workflow_id, "status": status},
                 # A completed request stays completed (a late failure report of a retried step).
-                extra_updates={
-                    "status": sa.case((_rc.status == "completed", _rc.status), else_=status)
-                },
+                extra_updates={"status": sa.case((_rc.status == "completed", _rc.status), else_=status)},
             )
         elif isinstance(event, RequestRouted):
             await self._upsert(
@@ -464,9 +452,7 @@ class LedgerStore:
         updates.update({name: _rc[name] + excluded[name] for name in added})
         updates.update({name: excluded[name] for name in replaced})
         updates.update(extra_updates or {})
-        await conn.execute(
-            stmt.on_conflict_do_update(index_elements=[_rc.request_id], set_=updates)
-        )
+        await conn.execute(stmt.on_conflict_do_update(index_elements=[_rc.request_id], set_=updates))
 
     def _insert(self, table: sa.Table) -> Any:
         """A dialect-specific INSERT, for its ON CONFLICT clauses."""
@@ -487,9 +473,7 @@ class LedgerStore:
 
     async def request(self, request_id: str) -> dict[str, Any] | None:
         async with self.engine.connect() as conn:
-            row = (
-                await conn.execute(sa.select(request_costs).where(_rc.request_id == request_id))
-            ).first()
+            row = (await conn.execute(sa.select(request_costs).where(_rc.request_id == request_id))).first()
         if row is None:
             return None
         result = dict(row._mapping)
@@ -508,9 +492,7 @@ class LedgerStore:
 
     async def totals(self) -> dict[str, Any]:
         """Requests by status, spend and GPU-seconds by phase, tokens, events and errors."""
-        query = sa.select(_rc.status, sa.func.count().label("requests"), *_sums()).group_by(
-            _rc.status
-        )
+        query = sa.select(_rc.status, sa.func.count().label("requests"), *_sums()).group_by(_rc.status)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()
             event_count = await conn.scalar(sa.select(sa.func.count()).select_from(events))
@@ -553,9 +535,7 @@ class LedgerStore:
 
     async def errors(self, limit: int = 1000) -> list[dict[str, Any]]:
         """The most recent ledger errors, oldest first."""
-        latest = (
-            sa.select(ledger_errors).order_by(ledger_errors.c.id.desc()).limit(limit).subquery()
-        )
+        latest = sa.select(ledger_errors).order_by(ledger_errors.c.id.desc()).limit(limit).subquery()
         async with self.engine.connect() as conn:
             rows = (await conn.execute(sa.select(latest).order_by(latest.c.id))).all()
         return [dict(row._mapping) for row in rows]
@@ -568,10 +548,7 @@ _INT_SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "kv_transfer
 
 
 def _sums() -> list[sa.ColumnElement[Any]]:
-    return [
-        sa.func.coalesce(sa.func.sum(_rc[name]), 0).label(name)
-        for name in (*_FLOAT_SUMS, *_INT_SUMS)
-    ]
+    return [sa.func.coalesce(sa.func.sum(_rc[name]), 0).label(name) for name in (*_FLOAT_SUMS, *_INT_SUMS)]
 
 
 def _zero_sums() -> dict[str, float]:

@@ -30,9 +30,7 @@ def chain_block_hashes(
     hashes: list[int] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = array("q", tokens[start : start + block_size]).tobytes()
-        digest = hashlib.blake2b(
-            parent.to_bytes(_HASH_BYTES, "little") + block, digest_size=_HASH_BYTES
-        )
+        digest = hashlib.blake2b(parent.to_bytes(_HASH_BYTES, "little") + block, digest_size=_HASH_BYTES)
         # 63 bits, so the value is a non-negative signed 64-bit integer in every language.
         parent = int.from_bytes(digest.digest(), "little") >> 1
         hashes.append(parent)

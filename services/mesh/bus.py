@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 PUBLISH_TIMEOUT_S = 5.0
 
 
+def nats_servers(url: str) -> list[str]:
+    """A NATS URL may be a comma-separated list of cluster nodes; any of them will do."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
 def _stream_config(spec: StreamSpec) -> jsapi.StreamConfig:
     return jsapi.StreamConfig(
         name=spec.name,
@@ -74,7 +79,7 @@ class Bus:
             log.info("nats reconnected")
 
         nc = await nats.connect(
-            url,
+            nats_servers(url),
             name=f"ripplemesh-{service}",
             connect_timeout=connect_timeout_s,
             max_reconnect_attempts=-1,
@@ -123,18 +128,19 @@ class Bus:
         return kv
 
     async def ensure_consumer(self, spec: ConsumerSpec) -> None:
-        config = consumer_config(spec)
         try:
-            await self.js.add_consumer(spec.stream, config)
-        except BadRequestError:
-            await self.js.delete_consumer(spec.stream, spec.durable)
-            await self.js.add_consumer(spec.stream, config)
+            await self.js.add_consumer(spec.stream, consumer_config(spec))
+        except BadRequestError as exc:
+            # The durable exists with other settings. Recreating it would replay its stream from
+            # the start, so keep it (and its position) and say so.
+            log.warning(
+                "consumer exists with other settings; keeping it",
+                extra={"consumer": spec.durable, "stream": spec.stream, "error": str(exc)},
+            )
 
     # ------------------------------------------------------------ publishing
 
-    async def publish(
-        self, subject: str, event: Event, *, timeout_s: float = PUBLISH_TIMEOUT_S
-    ) -> None:
+    async def publish(self, subject: str, event: Event, *, timeout_s: float = PUBLISH_TIMEOUT_S) -> None:
         """Publish to a stream and wait for its ack, inside a producer span.
 
         ``Nats-Msg-Id`` is the event's id, so a retried publish is stored once.

@@ -142,9 +142,7 @@ class PullFeed:
                 "idle_heartbeat": int(PULL_HEARTBEAT_S * 1e9),
             }
             try:
-                await self._bus.nc.publish(
-                    self._api, json.dumps(request).encode(), reply=self._inbox
-                )
+                await self._bus.nc.publish(self._api, json.dumps(request).encode(), reply=self._inbox)
             except Exception as exc:  # disconnected: the client reconnects, we retry
                 log.warning("pull request failed", extra={"error": repr(exc)})
                 await asyncio.sleep(0.25)
@@ -197,9 +195,7 @@ class Consumer(Generic[E]):
     async def start(self) -> None:
         await self.bus.ensure_consumer(self.spec)
         await self._feed.start()
-        advisory = (
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream}.{self.spec.durable}"
-        )
+        advisory = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream}.{self.spec.durable}"
         self._advisory_sub = await self.bus.nc.subscribe(advisory, cb=self._on_max_deliveries)
         self._loop_task = asyncio.create_task(self._run(), name=f"consume-{self.spec.durable}")
 

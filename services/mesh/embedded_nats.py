@@ -77,11 +77,7 @@ class EmbeddedNats:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                err = (
-                    self._process.stderr.read().decode(errors="replace")
-                    if self._process.stderr
-                    else ""
-                )
+                err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
                 raise NatsServerError(f"nats-server exited at start-up: {err.strip()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):

@@ -119,9 +119,7 @@ class Runtime:
     async def consume(
         self, spec: ConsumerSpec, event_type: Any, handler: Handler[Any], *, max_inflight: int = 64
     ) -> Consumer[Any]:
-        consumer: Consumer[Any] = Consumer(
-            self.bus, spec, event_type, handler, max_inflight=max_inflight
-        )
+        consumer: Consumer[Any] = Consumer(self.bus, spec, event_type, handler, max_inflight=max_inflight)
         await consumer.start()
         self.consumers.append(consumer)
         return consumer
@@ -134,16 +132,12 @@ class Runtime:
         def done(t: asyncio.Task[Any]) -> None:
             self._tasks.discard(t)
             if not t.cancelled() and t.exception() is not None:
-                log.error(
-                    "background task failed", extra={"task": name, "error": repr(t.exception())}
-                )
+                log.error("background task failed", extra={"task": name, "error": repr(t.exception())})
 
         task.add_done_callback(done)
         return task
 
-    async def every(
-        self, interval_s: float, tick: Callable[[], Awaitable[None]], name: str
-    ) -> None:
+    async def every(self, interval_s: float, tick: Callable[[], Awaitable[None]], name: str) -> None:
         """Run `tick` every `interval_s` until cancelled; a failing tick is logged, not fatal."""
         while True:
             try:
@@ -215,9 +209,7 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
     await service.start(runtime)
     runtime_ref["ready"] = True
     UP.labels(service.name).set(1)
-    log.info(
-        "service started", extra={"nats_url": options.nats_url, "http_port": options.http_port}
-    )
+    log.info("service started", extra={"nats_url": options.nats_url, "http_port": options.http_port})
     try:
         await stop.wait()
     finally:

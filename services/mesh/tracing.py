@@ -74,8 +74,7 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
 
 def otlp_configured() -> bool:
     return bool(
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     )
 
 
@@ -84,9 +83,7 @@ def setup_tracing(service: str, data_dir: Path) -> TracerProvider:
     global _provider
     if _provider is not None:
         return _provider
-    resource = Resource.create(
-        {"service.name": f"ripplemesh-{service}", "service.namespace": "ripplemesh"}
-    )
+    resource = Resource.create({"service.name": f"ripplemesh-{service}", "service.namespace": "ripplemesh"})
     provider = TracerProvider(resource=resource)
     exporter: SpanExporter
     if otlp_configured():

@@ -65,23 +65,14 @@ class NoPlacement:
 
 def load(worker: WorkerView, state: RouterState) -> float:
     kv = worker.kv_blocks_used / worker.kv_blocks_total if worker.kv_blocks_total else 1.0
-    return (
-        worker.queue_depth
-        + worker.running
-        + state.placed_since_heartbeat.get(worker.worker_id, 0)
-        + kv
-    )
+    return worker.queue_depth + worker.running + state.placed_since_heartbeat.get(worker.worker_id, 0) + kv
 
 
 def _tie_break(request_id: str, worker_id: str) -> int:
-    return int.from_bytes(
-        hashlib.blake2b(f"{request_id}/{worker_id}".encode(), digest_size=4).digest()
-    )
+    return int.from_bytes(hashlib.blake2b(f"{request_id}/{worker_id}".encode(), digest_size=4).digest())
 
 
-def _least_loaded(
-    workers: Iterable[WorkerView], state: RouterState, request_id: str
-) -> WorkerView | None:
+def _least_loaded(workers: Iterable[WorkerView], state: RouterState, request_id: str) -> WorkerView | None:
     return min(
         workers,
         key=lambda w: (load(w, state), _tie_break(request_id, w.worker_id)),
@@ -115,9 +106,7 @@ def place(
         return NoPlacement("no_workers", f"no live decode worker serves model {model!r}")
     prefill = _least_loaded((w for w in live if w.role == "prefill"), state, request_id)
     decode_load = load(decode, state)
-    state.placed_since_heartbeat[decode.worker_id] = (
-        state.placed_since_heartbeat.get(decode.worker_id, 0) + 1
-    )
+    state.placed_since_heartbeat[decode.worker_id] = state.placed_since_heartbeat.get(decode.worker_id, 0) + 1
     if prefill is None:
         return Placement("aggregated", decode.worker_id, decode.worker_id, len(live), decode_load)
     state.placed_since_heartbeat[prefill.worker_id] = (

@@ -94,9 +94,7 @@ class RouterService:
                     try:
                         worker = _worker_decoder.decode(entry.value)
                     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        log.warning(
-                            "bad worker state ignored", extra={"key": entry.key, "error": str(exc)}
-                        )
+                        log.warning("bad worker state ignored", extra={"key": entry.key, "error": str(exc)})
                         continue
                     self.state.observe(view_of(worker))
                     LIVE_WORKERS.set(len(live_workers_any(self.state)))
@@ -131,9 +129,7 @@ class RouterService:
                     break
                 self._workers_changed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        self._workers_changed.wait(), timeout=min(remaining, 0.25)
-                    )
+                    await asyncio.wait_for(self._workers_changed.wait(), timeout=min(remaining, 0.25))
             if isinstance(decision, NoPlacement):
                 span.set_attribute("ripple.router.outcome", decision.reason)
                 await self._reject(event, decision)

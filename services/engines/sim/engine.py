@@ -98,7 +98,7 @@ class SimEngine:
             self._loop = None
         for seq in list(self._resident.values()):
             if seq.first_token is not None and not seq.first_token.done():
-                seq.first_token.set_exception(EngineError("engine stopped"))
+                seq.first_token.set_exception(EngineError("engine stopped", code="capacity"))
 
     # ------------------------------------------------------------ protocol
 
@@ -132,7 +132,7 @@ class SimEngine:
                 return matched
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise EngineError("timed out waiting for KV cache space")
+                raise EngineError("timed out waiting for KV cache space", code="capacity")
             self._blocks_freed.clear()
             try:
                 await asyncio.wait_for(self._blocks_freed.wait(), timeout=remaining)
@@ -265,9 +265,7 @@ class SimEngine:
             take = min(seq.to_compute - seq.computed, budget)
             chunks.append((seq, take))
             budget -= take
-        prefill_times = [
-            self.perf.prefill_seconds(n, seq.cached_tokens + seq.computed) for seq, n in chunks
-        ]
+        prefill_times = [self.perf.prefill_seconds(n, seq.cached_tokens + seq.computed) for seq, n in chunks]
         decode_time = self.perf.decode_seconds(len(decoding), sum(s.context for s in decoding))
         overhead = self.perf.step_overhead_s
         step_time = overhead + sum(prefill_times) + decode_time
@@ -290,9 +288,7 @@ class SimEngine:
             seq.decode_gpu_s += per_sequence
             seq.generated += 1
             finished = seq.generated >= seq.request.max_tokens
-            seq.steps.put_nowait(
-                DecodeStep([self._next_token(seq)], "length" if finished else None)
-            )
+            seq.steps.put_nowait(DecodeStep([self._next_token(seq)], "length" if finished else None))
             if finished:
                 del self._decoding[seq.request.request_id]
         if step_time > 0:

@@ -68,11 +68,7 @@ class PerfModel:
         return kv_bytes / (self.gpu.kv_link_gb_per_s * 1e9)
 
     def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
-        free = (
-            self.gpu.hbm_gb * 1e9 * self.tensor_parallel * memory_fraction - self.model.weight_bytes
-        )
+        free = self.gpu.hbm_gb * 1e9 * self.tensor_parallel * memory_fraction - self.model.weight_bytes
         if free <= 0:
-            raise ValueError(
-                f"{self.model.name} does not fit on {self.tensor_parallel}x {self.gpu.name}"
-            )
+            raise ValueError(f"{self.model.name} does not fit on {self.tensor_parallel}x {self.gpu.name}")
         return int(free // self.model.kv_bytes_per_token)
