@@ -13,13 +13,12 @@ from starlette.routing import BaseRoute
 from schemas.events import (
     RequestAdmitted,
     RequestPrepared,
-    RequestRejected,
-    StreamFailed,
     derived_event_id,
 )
-from schemas.subjects import ADMISSION_CONSUMER, admitted_subject, event_subject, tokens_subject
+from schemas.subjects import ADMISSION_CONSUMER, admitted_subject
 from services.admission.policy import AdmissionState, Reject, TenantQuota, decide
 from services.mesh.consumer import Delivery
+from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
 
@@ -94,30 +93,14 @@ class AdmissionService:
 
     async def _reject(self, event: RequestPrepared, decision: Reject, now: float) -> None:
         assert self.runtime is not None
-        request = event.request
-        await self.runtime.bus.publish(
-            tokens_subject(request.tenant, request.request_id),
-            StreamFailed(
-                event_id=derived_event_id(event.event_id, "failed"),
-                occurred_at=now,
-                request_id=request.request_id,
-                seq=0,
-                code=decision.reason,
-                message=decision.message,
-                http_status=HTTP_STATUS[decision.reason],
-                retry_after_s=decision.retry_after_s,
-            ),
-        )
-        await self.runtime.bus.publish(
-            event_subject("rejected"),
-            RequestRejected(
-                event_id=derived_event_id(event.event_id, "rejected"),
-                occurred_at=now,
-                request_id=request.request_id,
-                tenant=request.tenant,
-                stage="admission",
-                reason=decision.reason,
-                message=decision.message,
-                retry_after_s=decision.retry_after_s,
-            ),
+        await publish_rejection(
+            self.runtime.bus,
+            source_event_id=event.event_id,
+            request_id=event.request.request_id,
+            tenant=event.request.tenant,
+            stage="admission",
+            reason=decision.reason,
+            message=decision.message,
+            http_status=HTTP_STATUS[decision.reason],
+            retry_after_s=decision.retry_after_s,
         )

@@ -25,7 +25,6 @@ from starlette.routing import BaseRoute, Route
 from schemas.events import (
     PriorityClass,
     RequestPrepared,
-    RequestRejected,
     StreamFailed,
     StreamFinished,
     SubmitRequest,
@@ -37,7 +36,6 @@ from schemas.events import (
 )
 from schemas.subjects import (
     INGRESS_CONSUMER,
-    event_subject,
     prepared_subject,
     tenant_of,
     tokens_subject,
@@ -50,6 +48,7 @@ from services.ingress.openai_api import (
 )
 from services.ingress.prepare import ClientRequest, InvalidRequest, prepare, render_chat
 from services.mesh.consumer import Delivery
+from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.token_stream import StreamTimeout, TokenStream
 from services.mesh.tracing import REQUEST_ID, tracer
@@ -401,7 +400,6 @@ class IngressService:
 
     async def _on_submission(self, submission: SubmitRequest, delivery: Delivery) -> None:
         tenant = tenant_of(delivery.subject)
-        out_subject = tokens_subject(tenant, submission.request_id)
         try:
             if tenant not in self._rt.config.tenants:
                 raise InvalidRequest(f"unknown tenant {tenant!r}", status=403, code="unknown_tenant")
@@ -428,7 +426,7 @@ class IngressService:
             )
         except InvalidRequest as exc:
             NATS_SUBMISSIONS.labels("invalid").inc()
-            await self._reject_submission(submission, tenant, out_subject, exc)
+            await self._reject_submission(submission, tenant, exc)
             return
         await self._rt.bus.publish(
             prepared_subject(tenant),
@@ -440,31 +438,14 @@ class IngressService:
         )
         NATS_SUBMISSIONS.labels("accepted").inc()
 
-    async def _reject_submission(
-        self, submission: SubmitRequest, tenant: str, out_subject: str, exc: InvalidRequest
-    ) -> None:
-        now = time.time()
-        await self._rt.bus.publish(
-            out_subject,
-            StreamFailed(
-                event_id=derived_event_id(submission.event_id, "failed"),
-                occurred_at=now,
-                request_id=submission.request_id,
-                seq=0,
-                code="invalid",
-                message=exc.message,
-                http_status=exc.status,
-            ),
-        )
-        await self._rt.bus.publish(
-            event_subject("rejected"),
-            RequestRejected(
-                event_id=derived_event_id(submission.event_id, "rejected"),
-                occurred_at=now,
-                request_id=submission.request_id,
-                tenant=tenant,
-                stage="ingress",
-                reason="invalid",
-                message=exc.message,
-            ),
+    async def _reject_submission(self, submission: SubmitRequest, tenant: str, exc: InvalidRequest) -> None:
+        await publish_rejection(
+            self._rt.bus,
+            source_event_id=submission.event_id,
+            request_id=submission.request_id,
+            tenant=tenant,
+            stage="ingress",
+            reason="invalid",
+            message=exc.message,
+            http_status=exc.status,
         )

@@ -16,14 +16,13 @@ from starlette.routing import BaseRoute
 from schemas.events import (
     PrefillWork,
     RequestAdmitted,
-    RequestRejected,
     RequestRouted,
-    StreamFailed,
     WorkerState,
     derived_event_id,
 )
-from schemas.subjects import ROUTER_CONSUMER, WORKERS, event_subject, tokens_subject, work_subject
+from schemas.subjects import ROUTER_CONSUMER, WORKERS, event_subject, work_subject
 from services.mesh.consumer import Delivery
+from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
 from services.router.policy import NoPlacement, RouterState, WorkerView, place
@@ -172,34 +171,16 @@ class RouterService:
 
     async def _reject(self, event: RequestAdmitted, decision: NoPlacement) -> None:
         assert self.runtime is not None
-        request = event.request
-        now = time.time()
-        status = 503 if decision.reason == "no_workers" else 500
-        await self.runtime.bus.publish(
-            tokens_subject(request.tenant, request.request_id),
-            StreamFailed(
-                event_id=derived_event_id(event.event_id, "failed"),
-                occurred_at=now,
-                request_id=request.request_id,
-                seq=0,
-                code=decision.reason,
-                message=decision.message,
-                http_status=status,
-                retry_after_s=5.0,
-            ),
-        )
-        await self.runtime.bus.publish(
-            event_subject("rejected"),
-            RequestRejected(
-                event_id=derived_event_id(event.event_id, "rejected"),
-                occurred_at=now,
-                request_id=request.request_id,
-                tenant=request.tenant,
-                stage="router",
-                reason=decision.reason,
-                message=decision.message,
-                retry_after_s=5.0,
-            ),
+        await publish_rejection(
+            self.runtime.bus,
+            source_event_id=event.event_id,
+            request_id=event.request.request_id,
+            tenant=event.request.tenant,
+            stage="router",
+            reason=decision.reason,
+            message=decision.message,
+            http_status=503 if decision.reason == "no_workers" else 500,
+            retry_after_s=5.0,
         )
 
 

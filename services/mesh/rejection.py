@@ -1,0 +1,59 @@
+"""Telling a client, and the ledger, that a request will not be served.
+
+Ingress, admission and router reject requests the same way: a `StreamFailed` on the request's
+token subject (what the client sees: an HTTP status and a retry-after) and a `RequestRejected`
+lifecycle event (what the ledger and the audit log see). Ids derive from the event being handled,
+so a redelivered input rejects once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from schemas.events import RequestRejected, StreamFailed, derived_event_id
+from schemas.subjects import event_subject, tokens_subject
+from services.mesh.bus import Bus
+
+Reason = Literal["quota", "capacity", "deadline", "invalid", "no_workers"]
+
+
+async def publish_rejection(
+    bus: Bus,
+    *,
+    source_event_id: str,
+    request_id: str,
+    tenant: str,
+    stage: Literal["ingress", "admission", "router"],
+    reason: Reason,
+    message: str,
+    http_status: int,
+    retry_after_s: float | None = None,
+) -> None:
+    now = time.time()
+    await bus.publish(
+        tokens_subject(tenant, request_id),
+        StreamFailed(
+            event_id=derived_event_id(source_event_id, "failed"),
+            occurred_at=now,
+            request_id=request_id,
+            seq=0,
+            code=reason,
+            message=message,
+            http_status=http_status,
+            retry_after_s=retry_after_s,
+        ),
+    )
+    await bus.publish(
+        event_subject("rejected"),
+        RequestRejected(
+            event_id=derived_event_id(source_event_id, "rejected"),
+            occurred_at=now,
+            request_id=request_id,
+            tenant=tenant,
+            stage=stage,
+            reason=reason,
+            message=message,
+            retry_after_s=retry_after_s,
+        ),
+    )
