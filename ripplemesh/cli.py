@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import uvloop
 from rich.console import Console
 from rich.table import Table
 
@@ -111,7 +112,7 @@ def run(
         http_port=http_port,
         extra=extra,
     )
-    asyncio.run(run_service(_service(service), options))
+    uvloop.run(run_service(_service(service), options))
 
 
 @main.command()

@@ -272,6 +272,36 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     draining: bool = False
 
 
+class KvCacheChange(Struct, frozen=True, kw_only=True):
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: list[int]
+
+
+class KvEvents(Event, frozen=True, kw_only=True, tag="kv.events.v1"):
+    """Prefix-cache changes of one worker, on core NATS ``rmesh.kv.<worker>``.
+
+    `seq` numbers batches per worker, from 1, with no gaps: a reader that sees a gap (or starts
+    late) asks the worker for a `KvDump` and applies later batches on top of it.
+    """
+
+    worker_id: Identifier
+    model: str
+    block_size: PositiveInt
+    seq: PositiveInt
+    changes: list[KvCacheChange]
+
+
+class KvDump(Event, frozen=True, kw_only=True, tag="kv.dump.v1"):
+    """Every block a worker caches, as of batch `seq` (0: before any batch); the reply to a
+    request on ``rmesh.kv.<worker>.dump``."""
+
+    worker_id: Identifier
+    model: str
+    block_size: PositiveInt
+    seq: NonNegativeInt
+    block_hashes: list[int]
+
+
 class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.message.v1"):
     """A message a consumer could not decode or process, kept with the reason."""
 
@@ -307,6 +337,8 @@ AnyEvent = (
     | StreamFinished
     | StreamFailed
     | WorkerState
+    | KvEvents
+    | KvDump
     | DeadLetter
 )
 

@@ -150,6 +150,8 @@ class Channel:
     consumers: str
     # A KV bucket's channel instead of a stream's.
     kv_bucket: bool = False
+    # Core NATS (not stored in a stream): fast, and lost if nobody listens.
+    core: bool = False
 
 
 _TENANT: JsonObject = {
@@ -290,6 +292,30 @@ def channels() -> tuple[Channel, ...]:
             "fleet's capacity, load and cache contents.",
             kv_bucket=True,
         ),
+        Channel(
+            id="kvEvents",
+            address=subjects.kv_subject(_param("worker")),
+            title="Prefix-cache changes",
+            description="Blocks a worker's engine stored in, or evicted from, its prefix cache, "
+            "numbered per worker so a reader detects a gap.",
+            messages=(events.KvEvents,),
+            parameters={"worker": _WORKER},
+            publishers="Every prefill/decode worker, as its engine's cache changes.",
+            consumers="Routers, to keep their index of which worker caches which prefix.",
+            core=True,
+        ),
+        Channel(
+            id="kvDump",
+            address=subjects.kv_dump_subject(_param("worker")),
+            title="Prefix-cache dump",
+            description="Request/reply: a worker answers with every block it caches and the "
+            "batch number it is current to, for a reader that missed batches.",
+            messages=(events.KvDump,),
+            parameters={"worker": _WORKER},
+            publishers="The worker, in reply to an empty request.",
+            consumers="Routers, on start-up and on a gap in a worker's KvEvents.",
+            core=True,
+        ),
     )
 
 
@@ -388,6 +414,9 @@ def _channel_doc(channel: Channel) -> JsonObject:
             cls.__name__: {"$ref": f"#/components/messages/{cls.__name__}"} for cls in channel.messages
         },
     }
+    if channel.core:
+        doc["description"] = f"{channel.description} Core NATS: not stored in a stream."
+        return doc
     if channel.kv_bucket:
         doc["description"] = f"{channel.description} {WORKERS.description}"
         doc["x-ripplemesh-kv-bucket"] = {

@@ -45,6 +45,16 @@ def dlq_subject(stream: str) -> str:
     return f"{PREFIX}.dlq.{stream}"
 
 
+def kv_subject(worker_id: str) -> str:
+    """A worker's prefix-cache changes (`KvEvents`), core NATS."""
+    return f"{PREFIX}.kv.{worker_id}"
+
+
+def kv_dump_subject(worker_id: str) -> str:
+    """Request/reply: a worker's full prefix-cache contents (`KvDump`)."""
+    return f"{PREFIX}.kv.{worker_id}.dump"
+
+
 def control_subject(worker_id: str) -> str:
     return f"{PREFIX}.control.{worker_id}"
 
@@ -149,6 +159,11 @@ WORKERS = KvBucketSpec(
     description="Each worker's latest WorkerState; an entry expires when heartbeats stop.",
 )
 KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS,)
+
+# JetStream Object Store bucket for KV caches too large for one message (hf engine hand-off);
+# only the object's name travels on the bus, in `KvHandle.object_name`.
+KV_OBJECTS_BUCKET = "RMESH_KV"
+KV_OBJECTS_TTL_S = 600.0
 
 INGRESS_CONSUMER = ConsumerSpec(durable="ingress", stream="REQUESTS", filter_subject=f"{PREFIX}.req.*")
 ADMISSION_CONSUMER = ConsumerSpec(

@@ -69,7 +69,9 @@ async def test_one_request_is_one_trace_across_every_service(mesh: Mesh) -> None
     def spans():  # type: ignore[no-untyped-def]
         found = load_request_trace(mesh.data_dir, request_id)
         services = {s["service"].removeprefix("ripplemesh-") for s in found}
-        return found if wanted <= services else None
+        # The HTTP span ends last, after the response body is sent.
+        has_root = any(s["name"] == "POST /v1/chat/completions" for s in found)
+        return found if wanted <= services and has_root else None
 
     found = wait_until(spans, timeout_s=15)
     assert len({s["trace_id"] for s in found}) == 1

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import nats
+import uvloop
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -105,7 +106,7 @@ def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Consol
                 time_scale=0.0,
             )
             with mesh, Progress(console=console, transient=True) as progress:
-                mesh_s, floor_s = asyncio.run(_measure(server.url, rate, count, progress))
+                mesh_s, floor_s = uvloop.run(_measure(server.url, rate, count, progress))
     rows = {
         "mesh_p50_ms": _percentile(mesh_s, 0.5) * 1e3,
         "mesh_p99_ms": _percentile(mesh_s, 0.99) * 1e3,

@@ -60,7 +60,7 @@ class DecodeService:
         host = self.host
         assert host is not None
         try:
-            await host.engine.import_kv(work.request, work.kv)
+            await host.import_kv(work.request, work.kv)
             await host.decode(
                 work.request,
                 work.first_token_id,

@@ -29,6 +29,19 @@ class EngineInfo:
     gpu_type: str
     block_size: int
     kv_blocks_total: int
+    adapters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KvBlockEvent:
+    """A change to the engine's prefix cache, by chained block hash (services/mesh/block_hash.py).
+
+    "stored": blocks became reusable; "removed": blocks were evicted; "cleared": the whole cache
+    was dropped (block_hashes empty). The host numbers and publishes them on rmesh.kv.<worker>.
+    """
+
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +78,15 @@ class Engine(Protocol):
         """Compute the uncached part of the prompt; the sequence stays resident for decode."""
         ...
 
-    async def import_kv(self, request: InferenceRequest, kv: KvHandle) -> float:
-        """Take a prefilled request's KV from another worker; returns the transfer seconds."""
+    async def export_kv(self, request_id: str) -> bytes | None:
+        """The request's KV as bytes for another worker, or None when the engine moves KV itself
+        (sim: only its size matters; vllm: its KV connector). Call before `release`."""
+        ...
+
+    async def import_kv(self, request: InferenceRequest, kv: KvHandle, payload: bytes | None) -> float:
+        """Take a prefilled request's KV from another worker; returns the transfer seconds.
+
+        Raises EngineError for KV that does not fit the request (wrong size, hashes, shape)."""
         ...
 
     def decode(self, request_id: str, first_token_id: int) -> AsyncIterator[DecodeStep]:
@@ -84,6 +104,14 @@ class Engine(Protocol):
     def snapshot(self) -> EngineSnapshot: ...
 
     def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def drain_kv_events(self) -> list[KvBlockEvent]:
+        """Prefix-cache changes since the last call, in order."""
+        ...
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash now in the prefix cache: the full dump a router resyncs from."""
+        ...
 
 
 class Clock(Protocol):

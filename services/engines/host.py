@@ -10,14 +10,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge
 
 from schemas.events import (
     DecodeCompleted,
     InferenceRequest,
+    KvCacheChange,
+    KvDump,
+    KvEvents,
+    KvHandle,
     PrefillCompleted,
     RequestFailed,
     StreamFailed,
@@ -28,7 +36,13 @@ from schemas.events import (
     derived_event_id,
     encode_event,
 )
-from schemas.subjects import WORKERS, event_subject, tokens_subject
+from schemas.subjects import (
+    WORKERS,
+    event_subject,
+    kv_dump_subject,
+    kv_subject,
+    tokens_subject,
+)
 from services.engines.base import Engine, EngineError, PrefillResult
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import REQUEST_ID, tracer
@@ -36,6 +50,7 @@ from services.mesh.tracing import REQUEST_ID, tracer
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+KV_EVENTS_EVERY_S = 0.05
 
 TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["worker"])
 GPU_SECONDS = Counter("ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"])
@@ -61,14 +76,28 @@ class EngineHost:
         self.price_per_hour = runtime.config.gpu_prices_per_hour.get(engine.info.gpu_type, 0.0)
         self.started_at = time.time()
         self.draining = False
+        # Batches of prefix-cache changes published so far on rmesh.kv.<worker>.
+        self.kv_seq = 0
+        self._kv_dump_sub: Subscription | None = None
 
     async def start(self) -> None:
         await self.engine.start()
+        info = self.engine.info
+        self._kv_dump_sub = await self.runtime.bus.nc.subscribe(
+            kv_dump_subject(self.worker_id), cb=self._on_kv_dump_request
+        )
         await self.heartbeat()
         self.runtime.spawn(self.runtime.every(HEARTBEAT_S, self.heartbeat, "heartbeat"), "heartbeat")
+        self.runtime.spawn(
+            self.runtime.every(KV_EVENTS_EVERY_S, self.publish_kv_events, "kv-events"), "kv-events"
+        )
+        log.info("engine ready", extra={"engine": info.engine, "model": info.model, "gpu": info.gpu_type})
 
     async def stop(self) -> None:
         self.draining = True
+        if self._kv_dump_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._kv_dump_sub.unsubscribe()
         with contextlib.suppress(Exception):
             kv = await self.runtime.bus.key_value(WORKERS)
             await kv.delete(self.worker_id)
@@ -103,10 +132,91 @@ class EngineHost:
         kv = await self.runtime.bus.key_value(WORKERS)
         await kv.put(self.worker_id, encode_event(self.state()))
 
+    # ------------------------------------------------------------ prefix-cache events
+
+    def _next_kv_batch(self) -> KvEvents | None:
+        """The engine's cache changes since the last batch, numbered; None when there are none.
+
+        Synchronous, so a dump taken right after it is exactly as of its number.
+        """
+        changes = self.engine.drain_kv_events()
+        if not changes:
+            return None
+        self.kv_seq += 1
+        info = self.engine.info
+        return KvEvents(
+            event_id=f"{self.worker_id}-kv-{self.started_at:.6f}-{self.kv_seq}",
+            occurred_at=time.time(),
+            worker_id=self.worker_id,
+            model=info.model,
+            block_size=info.block_size,
+            seq=self.kv_seq,
+            changes=[KvCacheChange(kind=c.kind, block_hashes=list(c.block_hashes)) for c in changes],
+        )
+
+    async def publish_kv_events(self) -> None:
+        batch = self._next_kv_batch()
+        if batch is not None:
+            await self.runtime.bus.nc.publish(kv_subject(self.worker_id), encode_event(batch))
+
+    async def _on_kv_dump_request(self, msg: Msg) -> None:
+        batch = self._next_kv_batch()
+        info = self.engine.info
+        dump = KvDump(
+            event_id=f"{self.worker_id}-dump-{time.monotonic_ns()}",
+            occurred_at=time.time(),
+            worker_id=self.worker_id,
+            model=info.model,
+            block_size=info.block_size,
+            seq=self.kv_seq,
+            block_hashes=self.engine.cached_block_hashes(),
+        )
+        if batch is not None:
+            await self.runtime.bus.nc.publish(kv_subject(self.worker_id), encode_event(batch))
+        with contextlib.suppress(Exception):
+            await msg.respond(encode_event(dump))
+
+    # ------------------------------------------------------------ KV hand-off
+
+    async def export_kv(self, request_id: str, kv: KvHandle) -> KvHandle:
+        """Ship the request's KV bytes (if the engine has any) through the Object Store."""
+        payload = await self.engine.export_kv(request_id)
+        if payload is None:
+            return msgspec.structs.replace(kv, source_worker=self.worker_id)
+        store = await self.runtime.bus.kv_objects()
+        name = f"{request_id}-{self.worker_id}"
+        await store.put(name, payload)
+        return msgspec.structs.replace(
+            kv, source_worker=self.worker_id, object_name=name, kv_bytes=len(payload)
+        )
+
+    async def import_kv(self, request: InferenceRequest, kv: KvHandle) -> float:
+        payload = None
+        if kv.object_name is not None:
+            store = await self.runtime.bus.kv_objects()
+            try:
+                payload = (await store.get(kv.object_name)).data
+            except Exception as exc:
+                raise EngineError(f"KV object {kv.object_name!r} is not available: {exc}") from exc
+        seconds = await self.engine.import_kv(request, kv, payload)
+        if kv.object_name is not None:
+            with contextlib.suppress(Exception):
+                await (await self.runtime.bus.kv_objects()).delete(kv.object_name)
+        return seconds
+
     # ------------------------------------------------------------ work
 
-    async def prefill(self, request: InferenceRequest, source_event_id: str) -> PrefillResult:
-        """Run the prefill, stream the first token (seq 0), report its GPU time."""
+    async def prefill(
+        self,
+        request: InferenceRequest,
+        source_event_id: str,
+        hand_off: Callable[[PrefillResult], Awaitable[None]] | None = None,
+    ) -> PrefillResult:
+        """Run the prefill, stream the first token (seq 0), hand the KV off, report GPU time.
+
+        The hand-off (to a decode worker) comes before the report, so the ledger's event never
+        delays the second token.
+        """
         with tracer().start_as_current_span(
             f"prefill {request.model}",
             kind=SpanKind.INTERNAL,
@@ -136,6 +246,8 @@ class EngineHost:
         )
         TOKENS_OUT.labels(self.worker_id).inc()
         GPU_SECONDS.labels(self.worker_id, "prefill").inc(result.gpu_seconds)
+        if hand_off is not None:
+            await hand_off(result)
         await self.runtime.bus.publish(
             event_subject("prefill_completed"),
             PrefillCompleted(

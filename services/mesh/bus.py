@@ -9,13 +9,22 @@ import nats
 import nats.js.api as jsapi
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from schemas.events import Event, encode_event
-from schemas.subjects import KV_BUCKETS, STREAMS, ConsumerSpec, KvBucketSpec, StreamSpec
+from schemas.subjects import (
+    KV_BUCKETS,
+    KV_OBJECTS_BUCKET,
+    KV_OBJECTS_TTL_S,
+    STREAMS,
+    ConsumerSpec,
+    KvBucketSpec,
+    StreamSpec,
+)
 from services.mesh.tracing import inject_headers, subject_family, tracer
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
         self.service = service
         self._kv: dict[str, KeyValue] = {}
+        self._kv_objects: ObjectStore | None = None
 
     @classmethod
     async def connect(cls, url: str, service: str, *, connect_timeout_s: float = 5.0) -> Bus:
@@ -126,6 +136,21 @@ class Bus:
                 )
             self._kv[bucket.bucket] = kv
         return kv
+
+    async def kv_objects(self) -> ObjectStore:
+        """The Object Store bucket that carries KV caches too large for one message."""
+        if self._kv_objects is None:
+            try:
+                self._kv_objects = await self.js.object_store(KV_OBJECTS_BUCKET)
+            except BucketNotFoundError:
+                self._kv_objects = await self.js.create_object_store(
+                    KV_OBJECTS_BUCKET,
+                    jsapi.ObjectStoreConfig(
+                        description="KV caches in transit from a prefill to a decode worker.",
+                        ttl=KV_OBJECTS_TTL_S,
+                    ),
+                )
+        return self._kv_objects
 
     async def ensure_consumer(self, spec: ConsumerSpec) -> None:
         try:

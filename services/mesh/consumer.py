@@ -90,6 +90,33 @@ class _SeenIds:
             self._ids.popitem(last=False)
 
 
+class _ProgressReporter:
+    """Tells the server a message is still being worked on, every `interval_s`, until cancelled.
+
+    A timer rather than a task: most handlers finish long before the first tick.
+    """
+
+    def __init__(self, msg: Msg, interval_s: float):
+        self._msg = msg
+        self._interval_s = interval_s
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(interval_s, self._tick)
+        self._sending: asyncio.Task[None] | None = None
+
+    def _tick(self) -> None:
+        self._sending = self._loop.create_task(self._send())
+        self._handle = self._loop.call_later(self._interval_s, self._tick)
+
+    async def _send(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._msg.in_progress()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+        if self._sending is not None:
+            self._sending.cancel()
+
+
 class PullFeed:
     """Keeps one pull request outstanding on a durable consumer and yields messages as they come."""
 
@@ -149,11 +176,14 @@ class PullFeed:
                 continue
             remaining = free
             while remaining > 0 and not self._stopping:
-                try:
-                    # Silence past a few heartbeats means the pull was lost (reconnect): reissue.
-                    msg = await asyncio.wait_for(self._queue.get(), timeout=PULL_HEARTBEAT_S * 3)
-                except TimeoutError:
-                    break
+                if self._queue.empty():
+                    try:
+                        # Silence past a few heartbeats means the pull was lost (reconnect): reissue.
+                        msg = await asyncio.wait_for(self._queue.get(), timeout=PULL_HEARTBEAT_S * 3)
+                    except TimeoutError:
+                        break
+                else:
+                    msg = self._queue.get_nowait()
                 if msg is None:
                     return
                 status = msg.headers.get("Status") if msg.headers else None
@@ -262,7 +292,7 @@ class Consumer(Generic[E]):
                 **_request_id_attribute(event),
             },
         ) as span:
-            progress = asyncio.create_task(self._report_progress(msg))
+            progress = _ProgressReporter(msg, max(self.spec.ack_wait_s / 3, 0.5))
             try:
                 await self.handler(event, delivery)
             except asyncio.CancelledError:
@@ -285,13 +315,6 @@ class Consumer(Generic[E]):
         await self._ack(msg)
         MESSAGES.labels(name, "ok").inc()
         HANDLER_SECONDS.labels(name).observe(time.perf_counter() - started)
-
-    async def _report_progress(self, msg: Msg) -> None:
-        interval = max(self.spec.ack_wait_s / 3, 0.5)
-        with contextlib.suppress(Exception):
-            while True:
-                await asyncio.sleep(interval)
-                await msg.in_progress()
 
     async def _retry_or_dead_letter(self, msg: Msg, delivery: Delivery, exc: Exception) -> None:
         attempt = delivery.num_delivered

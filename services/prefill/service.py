@@ -6,12 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
-import msgspec
 from starlette.routing import BaseRoute
 
 from schemas.events import DecodeWork, PrefillWork, derived_event_id
 from schemas.subjects import work_subject, worker_consumer
-from services.engines.base import EngineError
+from services.engines.base import EngineError, PrefillResult
 from services.engines.factory import make_engine
 from services.engines.host import EngineHost
 from services.mesh.consumer import Delivery
@@ -54,12 +53,8 @@ class PrefillService:
         host = self.host
         assert host is not None
         request = work.request
-        try:
-            result = await host.prefill(request, work.event_id)
-        except EngineError as exc:
-            await host.fail(request, 0, exc, work.event_id)
-            return
-        try:
+
+        async def hand_off(result: PrefillResult) -> None:
             await host.runtime.bus.publish(
                 work_subject("decode", work.decode_worker),
                 DecodeWork(
@@ -68,11 +63,16 @@ class PrefillService:
                     request=request,
                     prefill_worker=host.worker_id,
                     decode_worker=work.decode_worker,
-                    kv=msgspec.structs.replace(result.kv, source_worker=host.worker_id),
+                    kv=await host.export_kv(request.request_id, result.kv),
                     first_token_id=result.first_token_id,
                     cached_tokens=result.cached_tokens,
                 ),
             )
+
+        try:
+            await host.prefill(request, work.event_id, hand_off)
+        except EngineError as exc:
+            await host.fail(request, 0, exc, work.event_id)
         finally:
             # The prompt's blocks stay in this worker's prefix cache for the next request.
             host.engine.release(request.request_id)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from services.engines.base import KvBlockEvent
+
 
 @dataclass
 class _Holding:
@@ -27,6 +29,7 @@ class BlockManager:
         self._refs: dict[int, int] = {}
         self._unreferenced: OrderedDict[int, None] = OrderedDict()
         self._holdings: dict[str, _Holding] = {}
+        self._events: list[KvBlockEvent] = []
 
     # ------------------------------------------------------------ queries
 
@@ -40,6 +43,13 @@ class BlockManager:
                 break
             matched += 1
         return matched
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._refs)
+
+    def drain_events(self) -> list[KvBlockEvent]:
+        events, self._events = self._events, []
+        return events
 
     @property
     def used_blocks(self) -> int:
@@ -70,6 +80,7 @@ class BlockManager:
         if new_blocks > self._free + len(self._unreferenced) - reused_unreferenced:
             return None
         holding = _Holding()
+        stored: list[int] = []
         for block_hash in block_hashes[:matched]:
             self._pin(block_hash)
             holding.hashed.append(block_hash)
@@ -82,7 +93,10 @@ class BlockManager:
             else:
                 # A fresh block's hash is known now; it is shareable once its tokens are computed.
                 self._refs[block_hash] = 1
+                stored.append(block_hash)
             holding.hashed.append(block_hash)
+        if stored:
+            self._events.append(KvBlockEvent("stored", tuple(stored)))
         holding.anonymous = needed - len(holding.hashed)
         self._holdings[seq_id] = holding
         return matched
@@ -104,8 +118,12 @@ class BlockManager:
         self._refs[block_hash] += 1
 
     def _take(self, blocks: int) -> None:
+        evicted: list[int] = []
         while self._free < blocks:
-            evicted, _ = self._unreferenced.popitem(last=False)
-            del self._refs[evicted]
+            block_hash, _ = self._unreferenced.popitem(last=False)
+            del self._refs[block_hash]
+            evicted.append(block_hash)
             self._free += 1
         self._free -= blocks
+        if evicted:
+            self._events.append(KvBlockEvent("removed", tuple(evicted)))

@@ -23,6 +23,7 @@ from services.engines.base import (
     EngineError,
     EngineInfo,
     EngineSnapshot,
+    KvBlockEvent,
     PrefillResult,
     RealClock,
 )
@@ -177,7 +178,11 @@ class SimEngine:
             ),
         )
 
-    async def import_kv(self, request: InferenceRequest, kv: KvHandle) -> float:
+    async def export_kv(self, request_id: str) -> bytes | None:
+        # Simulated KV has no bytes: the decode side models the transfer from its size.
+        return None
+
+    async def import_kv(self, request: InferenceRequest, kv: KvHandle, payload: bytes | None) -> float:
         self._check(request)
         if kv.num_tokens != len(request.prompt_tokens):
             raise EngineError(
@@ -243,6 +248,12 @@ class SimEngine:
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def drain_kv_events(self) -> list[KvBlockEvent]:
+        return self.blocks.drain_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.blocks.cached_hashes()
 
     # ------------------------------------------------------------ the scheduler
 
