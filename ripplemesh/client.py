@@ -31,6 +31,7 @@ from schemas.events import (
 from schemas.subjects import request_subject, tokens_subject
 from services.mesh.bus import nats_servers
 from services.mesh.token_stream import TokenStream
+from services.mesh.tracing import inject_headers
 
 
 class MeshError(Exception):
@@ -135,10 +136,10 @@ class MeshClient:
             idle_timeout_s=self.idle_timeout_s,
         )
         async with stream:
+            # The caller's trace context (if it traces) becomes the request's parent.
+            headers = inject_headers({"Nats-Msg-Id": submission.event_id})
             await self.nc.jetstream(timeout=5).publish(
-                request_subject(self.tenant),
-                encode_event(submission),
-                headers={"Nats-Msg-Id": submission.event_id},
+                request_subject(self.tenant), encode_event(submission), headers=headers
             )
             async for event in stream.events():
                 yield event

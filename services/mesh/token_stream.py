@@ -51,9 +51,10 @@ class TokenStream:
         async def on_msg(msg: Msg) -> None:
             self._queue.put_nowait(msg)
 
+        # No flush needed: the server handles one connection's commands in order, so this
+        # subscription is in place before the request published next on the same connection,
+        # and so before any token that request leads to.
         self._sub = await self._nc.subscribe(self.subject, cb=on_msg)
-        # Make sure the server has the subscription before anyone publishes the request.
-        await self._nc.flush(timeout=5)
         return self
 
     async def close(self) -> None:

@@ -1,0 +1,42 @@
+"""Graceful shutdown: a service told to stop finishes the work it holds before it exits."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from ripplemesh.client import MeshClient
+from ripplemesh.launcher import Mesh
+from schemas.events import StreamFinished, TokenChunk
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_sigterm_to_a_decode_worker_lets_its_streams_finish(mesh: Mesh) -> None:
+    max_tokens = 1500
+    try:
+        async with MeshClient(mesh.url, "acme") as client:
+            events = client.events(prompt="a long answer, please", max_tokens=max_tokens)
+            tokens, final = 0, None
+            # Tokens past the first come from the decode worker: it is streaming this request.
+            while tokens < 10:
+                chunk = await anext(events)
+                assert isinstance(chunk, TokenChunk)
+                tokens += len(chunk.token_ids)
+            # Stop the only decode worker while the stream is young.
+            stopping = asyncio.create_task(
+                asyncio.to_thread(mesh.stop_child, "decode-0", sig=signal.SIGTERM)
+            )
+            async for event in events:
+                if isinstance(event, TokenChunk):
+                    tokens += len(event.token_ids)
+                else:
+                    final = event
+            await stopping
+            assert isinstance(final, StreamFinished)
+            assert tokens == max_tokens == final.usage.completion_tokens
+            assert mesh.child("decode-0").process.poll() == 0  # exited cleanly, after finishing
+    finally:
+        await asyncio.to_thread(mesh.restart_child, "decode-0")
