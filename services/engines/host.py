@@ -186,9 +186,8 @@ class EngineHost:
         store = await self.runtime.bus.kv_objects()
         name = f"{request_id}-{self.worker_id}"
         await store.put(name, payload)
-        return msgspec.structs.replace(
-            kv, source_worker=self.worker_id, object_name=name, kv_bytes=len(payload)
-        )
+        # kv_bytes stays the engine's figure: a payload may be transfer parameters, not the KV.
+        return msgspec.structs.replace(kv, source_worker=self.worker_id, object_name=name)
 
     async def import_kv(self, request: InferenceRequest, kv: KvHandle) -> float:
         payload = None
