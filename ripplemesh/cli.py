@@ -252,6 +252,22 @@ def bench_overhead(rate: float, count: int, prefill: int) -> None:
     run_overhead_bench(rate=rate, count=count, prefill=prefill, console=Console())
 
 
+@bench.command("ledger")
+@click.option("--events", default=20_000, show_default=True, help="Lifecycle events to record.")
+@click.option("--batch", default=256, show_default=True, help="Events per transaction (group commit).")
+@click.option(
+    "--postgres-url",
+    default=None,
+    help="PostgreSQL to measure too (a fresh schema, dropped afterwards). "
+    "[default: postgresql+asyncpg://postgres@127.0.0.1:5432/test]",
+)
+def bench_ledger(events: int, batch: int, postgres_url: str | None) -> None:
+    """Ledger ingestion: events/s on SQLite and PostgreSQL against the 5,000 events/s target."""
+    from ripplemesh.bench.ledger import run_ledger_bench
+
+    run_ledger_bench(events=events, batch=batch, postgres_url=postgres_url, console=Console())
+
+
 @main.group()
 def schemas() -> None:
     """The event contract's generated documents."""

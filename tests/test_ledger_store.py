@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from schemas.events import (
     DecodeCompleted,
@@ -20,6 +25,7 @@ from schemas.events import (
     RequestRouted,
     Usage,
 )
+from services.ledger import store as store_module
 from services.ledger.pricing import PricingError, price_gpu_seconds
 from services.ledger.store import MIGRATIONS, LedgerStore
 
@@ -35,14 +41,13 @@ T0 = 1_700_000_000.0
 # ---------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-async def ledger_db(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[dict[str, Any]]:
-    """Keyword arguments for `LedgerStore.open`: a SQLite file, or a fresh PostgreSQL schema."""
-    if request.param == "sqlite":
-        yield {"url": f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"}
+@contextlib.asynccontextmanager
+async def fresh_database(kind: str, path: Path) -> AsyncIterator[dict[str, Any]]:
+    """Keyword arguments for `LedgerStore.open`: the SQLite file `path`, or a fresh PostgreSQL
+    schema (skips the test when the server cannot be reached)."""
+    if kind == "sqlite":
+        yield {"url": f"sqlite+aiosqlite:///{path}"}
         return
-    import sqlalchemy as sa
-
     asyncpg = pytest.importorskip("asyncpg", reason="asyncpg (the 'postgres' extra) not installed")
 
     dsn = sa.make_url(PG_URL).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -57,6 +62,33 @@ async def ledger_db(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncItera
     finally:
         await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
         await conn.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def ledger_db(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[dict[str, Any]]:
+    """Keyword arguments for `LedgerStore.open`: a SQLite file, or a fresh PostgreSQL schema."""
+    async with fresh_database(request.param, tmp_path / "ledger.db") as kwargs:
+        yield kwargs
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def store_pair(
+    request: pytest.FixtureRequest, tmp_path: Any
+) -> AsyncIterator[tuple[LedgerStore, LedgerStore]]:
+    """Two fresh, separate ledgers on the same kind of database."""
+    async with (
+        fresh_database(request.param, tmp_path / "one.db") as one_db,
+        fresh_database(request.param, tmp_path / "two.db") as two_db,
+    ):
+        one = await LedgerStore.open(**one_db)
+        try:
+            two = await LedgerStore.open(**two_db)
+            try:
+                yield one, two
+            finally:
+                await two.close()
+        finally:
+            await one.close()
 
 
 @pytest.fixture
@@ -384,3 +416,271 @@ def test_pricing() -> None:
     with pytest.raises(PricingError, match="invalid GPU time"):
         price_gpu_seconds("h100", -1.0, PRICES)
     assert issubclass(PricingError, ValueError)
+
+
+# ---------------------------------------------------------------- batches: same as one at a time
+
+# Prices and GPU-seconds (multiples of 225 s, 1/16 h) whose costs and sums are exact in binary
+# floating point: a batch must give bit for bit the rows that events one at a time give.
+EXACT_PRICES = {"h100": 4.0, "a10g": 2.0}
+GPU_TYPES = ("h100", "a10g", "mi300x")  # mi300x has no price: a ledger error
+
+
+def failed(event_id: str, request_id: str, tenant: str, *, workflow_id: str | None = None) -> RequestFailed:
+    return RequestFailed(
+        event_id=event_id,
+        occurred_at=T0 + 3,
+        request_id=request_id,
+        tenant=tenant,
+        workflow_id=workflow_id,
+        stage="decode",
+        worker_id="decode-a10g",
+        message="worker lost",
+    )
+
+
+def rejected(event_id: str, request_id: str, tenant: str) -> RequestRejected:
+    return RequestRejected(
+        event_id=event_id,
+        occurred_at=T0,
+        request_id=request_id,
+        tenant=tenant,
+        stage="router",
+        reason="no_workers",
+        message="no decode worker",
+    )
+
+
+def fleet(event_id: str) -> FleetObserved:
+    return FleetObserved(event_id=event_id, occurred_at=T0, pools=[])
+
+
+async def ledger_state(store: LedgerStore, request_ids: Sequence[str]) -> dict[str, Any]:
+    """Everything a ledger holds but the times at which it recorded it: every event and request
+    row, the totals, tenants and errors, and `request` of each of `request_ids`."""
+    events, rows = store_module.events, store_module.request_costs
+    async with store.engine.connect() as conn:
+        recorded = await conn.execute(
+            sa.select(*(c for c in events.c if c.name != "recorded_at")).order_by(events.c.event_id)
+        )
+        costs = await conn.execute(
+            sa.select(*(c for c in rows.c if c.name != "updated_at")).order_by(rows.c.request_id)
+        )
+        tables = {"events": [tuple(row) for row in recorded], "request_costs": [tuple(row) for row in costs]}
+    requests = {}
+    for request_id in request_ids:
+        row = await store.request(request_id)
+        requests[request_id] = None if row is None else {k: v for k, v in row.items() if k != "updated_at"}
+    return {
+        **tables,
+        "totals": await store.totals(),
+        "requests": requests,
+        "tenants": await store.by_tenant(),
+        "errors": [{k: v for k, v in error.items() if k != "occurred_at"} for error in await store.errors()],
+    }
+
+
+def request_ids_of(events: Sequence[LifecycleEvent]) -> list[str]:
+    return sorted({e.request_id for e in events if not isinstance(e, FleetObserved)})
+
+
+async def test_batches_record_the_same_as_one_at_a_time(store_pair: tuple[LedgerStore, LedgerStore]) -> None:
+    """Every event type, duplicates in a batch and of earlier batches, decodes before prefills,
+    retried steps and late reports: batches give exactly the rows events one at a time give."""
+    one_by_one, batched = store_pair
+    q1_prefill = prefill("b-q1-prefill", "q1", "acme", "h100", 450.0, prompt_tokens=300, cached_tokens=16)
+    q1_decode = decode("b-q1-decode", "q1", "acme", "a10g", 900.0, prompt_tokens=300, completion_tokens=40)
+    fleet_view = fleet("b-fleet")
+    first = [
+        routed("b-q1-routed", "q1", "acme"),
+        q1_prefill,
+        q1_prefill,  # redelivered within the batch
+        q1_decode,
+        # q2: the decode's report before the prefill's; the workflow known from the decode only.
+        decode("b-q2-decode", "q2", "beta", "h100", 225.0, workflow_id="wf-2", prompt_tokens=70, kv_bytes=5),
+        prefill("b-q2-prefill", "q2", "beta", "a10g", 675.0, prompt_tokens=64, cached_tokens=32),
+        routed("b-q2-routed", "q2", "beta"),  # late routing fills nothing
+        # q3: prefill then failure; rejected in the next batch.
+        prefill("b-q3-prefill", "q3", "acme", "a10g", 225.0, workflow_id="wf-3"),
+        failed("b-q3-failed", "q3", "acme", workflow_id="wf-other"),
+        rejected("b-q4-rejected", "q4", "beta"),
+        # q5: GPU time on an unpriced GPU type (a ledger error), then routing fills the decode worker.
+        prefill("b-q5-prefill", "q5", "beta", "mi300x", 450.0),
+        routed("b-q5-routed", "q5", "beta"),
+        fleet_view,
+        routed("b-q6-routed", "q6", "gamma"),
+    ]
+    second = [
+        q1_decode,  # redelivered from the first batch
+        fleet_view,
+        q1_prefill,
+        # q6: a retried prefill (two reports add up on the existing row), then the decode.
+        prefill("b-q6-prefill-1", "q6", "gamma", "h100", 225.0, prompt_tokens=10),
+        prefill("b-q6-prefill-2", "q6", "gamma", "a10g", 450.0, workflow_id="wf-6", prompt_tokens=12),
+        decode("b-q6-decode", "q6", "gamma", "mi300x", 1800.0, completion_tokens=7, kv_bytes=1 << 33),
+        decode("b-q6-decode", "q6", "gamma", "mi300x", 1800.0, completion_tokens=7, kv_bytes=1 << 33),
+        rejected("b-q3-rejected", "q3", "acme"),
+        failed("b-q2-failed", "q2", "beta"),  # a completed request stays completed
+        routed("b-q1-routed-again", "q1", "acme"),
+        # q7: new in this batch: completed, then a late failure, then its prefill.
+        decode("b-q7-decode", "q7", "acme", "a10g", 225.0, workflow_id="wf-7"),
+        failed("b-q7-failed", "q7", "acme"),
+        prefill("b-q7-prefill", "q7", "acme", "h100", 225.0, prompt_tokens=5),
+        # q4: rejected, then routed and prefilled after all.
+        routed("b-q4-routed", "q4", "beta"),
+        prefill("b-q4-prefill", "q4", "beta", "h100", 225.0),
+    ]
+    third = [q1_decode, fleet_view, second[3], second[-1]]  # nothing new
+    batches = [first, second, third]
+
+    expected = [await one_by_one.record(event, EXACT_PRICES) for batch in batches for event in batch]
+    flags = [flag for batch in batches for flag in await batched.record_many(batch, EXACT_PRICES)]
+    assert flags == expected
+    assert flags.count(False) == 1 + 4 + len(third)
+
+    everything = [event for batch in batches for event in batch]
+    state = await ledger_state(batched, request_ids_of(everything))
+    assert state == await ledger_state(one_by_one, request_ids_of(everything))
+
+    requests = state["requests"]
+    assert {r: requests[r]["status"] for r in requests} == {
+        "q1": "completed",
+        "q2": "completed",
+        "q3": "rejected",
+        "q4": "rejected",
+        "q5": "running",
+        "q6": "completed",
+        "q7": "completed",
+    }
+    assert requests["q2"]["workflow_id"] == "wf-2" and requests["q3"]["workflow_id"] == "wf-3"
+    assert (requests["q2"]["prompt_tokens"], requests["q2"]["cached_tokens"]) == (64, 32)
+    assert (requests["q5"]["prefill_worker"], requests["q5"]["decode_worker"]) == (
+        "prefill-mi300x",
+        "d-route",
+    )
+    assert requests["q6"]["prefill_gpu_seconds"] == 675.0
+    assert requests["q6"]["prefill_cost_usd"] == 225.0 / 3600 * 4.0 + 450.0 / 3600 * 2.0
+    assert requests["q6"]["gpu_type_prefill"] == "a10g" and requests["q6"]["kv_transfer_bytes"] == 1 << 33
+    assert state["totals"]["errors"] == 2 and state["totals"]["events"] == len(
+        {e.event_id for e in everything}
+    )
+
+
+def random_events(rng: random.Random, prefix: str) -> list[LifecycleEvent]:
+    """Events of every type about a few requests, in any order, with redeliveries."""
+    requests = [f"{prefix}-r{i}" for i in range(4)]
+    events: list[LifecycleEvent] = []
+    for n in range(rng.randrange(1, 30)):
+        if events and rng.random() < 0.2:
+            events.append(rng.choice(events))
+            continue
+        event_id, request_id, tenant = f"{prefix}-e{n}", rng.choice(requests), rng.choice(("acme", "beta"))
+        workflow_id = rng.choice((None, None, "wf-a", "wf-b"))
+        gpu_type, gpu_seconds = rng.choice(GPU_TYPES), 225.0 * rng.randrange(0, 9)
+        tokens = {"prompt_tokens": rng.randrange(0, 500), "cached_tokens": rng.randrange(0, 64)}
+        kind = rng.randrange(6)
+        if kind == 0:
+            events.append(routed(event_id, request_id, tenant))
+        elif kind == 1:
+            events.append(
+                prefill(
+                    event_id, request_id, tenant, gpu_type, gpu_seconds, workflow_id=workflow_id, **tokens
+                )
+            )
+        elif kind == 2:
+            events.append(
+                decode(
+                    event_id,
+                    request_id,
+                    tenant,
+                    gpu_type,
+                    gpu_seconds,
+                    workflow_id=workflow_id,
+                    completion_tokens=rng.randrange(0, 900),
+                    kv_bytes=rng.randrange(0, 1 << 40),
+                    **tokens,
+                )
+            )
+        elif kind == 3:
+            events.append(failed(event_id, request_id, tenant, workflow_id=workflow_id))
+        elif kind == 4:
+            events.append(rejected(event_id, request_id, tenant))
+        else:
+            events.append(fleet(event_id))
+    return events
+
+
+def random_batches(rng: random.Random, events: list[LifecycleEvent]) -> list[list[LifecycleEvent]]:
+    cuts = sorted(rng.sample(range(1, len(events)), k=rng.randrange(0, min(4, len(events) - 1) + 1)))
+    bounds = [0, *cuts, len(events)]
+    return [events[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+async def test_random_batches_record_the_same_as_one_at_a_time(
+    store_pair: tuple[LedgerStore, LedgerStore],
+) -> None:
+    one_by_one, batched = store_pair
+    seen: list[LifecycleEvent] = []
+    for seed in range(40):
+        rng = random.Random(seed)
+        events = random_events(rng, f"s{seed}")
+        # Some redeliveries of earlier seeds' events too.
+        events += rng.sample(seen, k=min(len(seen), rng.randrange(0, 3)))
+        rng.shuffle(events)
+        seen += events
+        expected = [await one_by_one.record(event, EXACT_PRICES) for event in events]
+        flags: list[bool] = []
+        for batch in random_batches(rng, events):
+            flags += await batched.record_many(batch, EXACT_PRICES)
+        assert flags == expected, f"seed {seed}"
+        ids = request_ids_of(events)
+        assert await ledger_state(batched, ids) == await ledger_state(one_by_one, ids), f"seed {seed}"
+
+
+async def test_a_batch_costs_a_constant_number_of_statements(store: LedgerStore) -> None:
+    statements: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if any(table in statement for table in ("events", "request_costs", "ledger_errors")):
+            statements.append(" ".join(statement.split("(")[0].split()))
+
+    sa.event.listen(store.engine.sync_engine, "before_cursor_execute", count)
+    try:
+        for size in (3, 30, 300):
+            statements.clear()
+            batch: list[LifecycleEvent] = []
+            for i in range(size // 3):
+                request_id = f"n{size}-{i}"
+                batch += [
+                    routed(f"{request_id}-r", request_id, "acme"),
+                    prefill(f"{request_id}-p", request_id, "acme", "h100", 1.0),
+                    decode(f"{request_id}-d", request_id, "acme", "mi300x", 2.0),  # a ledger error
+                ]
+            flags = await store.record_many(batch + batch[:5], PRICES)
+            assert flags == [True] * len(batch) + [False] * len(batch[:5])
+            assert statements == [
+                "SELECT events.event_id FROM events WHERE events.event_id IN",
+                "INSERT INTO events",
+                "INSERT INTO request_costs",
+                "INSERT INTO ledger_errors",
+            ], size
+    finally:
+        sa.event.remove(store.engine.sync_engine, "before_cursor_execute", count)
+    totals = await store.totals()
+    assert totals["events"] == 333 and totals["requests"]["completed"] == 111 and totals["errors"] == 111
+
+
+async def test_drivers_with_named_parameters(
+    store_pair: tuple[LedgerStore, LedgerStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where rows cannot go to the driver as tuples, SQLAlchemy's own executemany does the same."""
+    direct, other = store_pair
+    monkeypatch.setattr(store_module, "_driver_parameter_order", lambda compiled: None)
+    through_sqlalchemy = LedgerStore(other.engine)  # compiles its statements with the patch
+    rng = random.Random(1)
+    events = script() + random_events(rng, "named") + script()
+    for ledger in (direct, through_sqlalchemy):
+        for batch in random_batches(random.Random(2), events):
+            await ledger.record_many(batch, PRICES)
+    ids = request_ids_of(events)
+    assert await ledger_state(through_sqlalchemy, ids) == await ledger_state(direct, ids)

@@ -3,11 +3,13 @@
 `LedgerStore` works on SQLite (``sqlite+aiosqlite:////abs/path/ledger.db``) and PostgreSQL
 (``postgresql+asyncpg://...``) through SQLAlchemy's async Core.
 
-- Ingestion is idempotent: `record` inserts the event's id into ``events`` and applies the event
-  in the same transaction; an id already there is a redelivery and changes nothing.
+- Ingestion is idempotent: `record_many` inserts the events' ids into ``events`` and applies the
+  events in the same transaction; an id already there is a redelivery and changes nothing.
+- Ingestion is batched: a batch costs a constant number of statements, not some per event. Its
+  new events are folded into one change per request (fold.py, pure) and each change is one row
+  of a single upsert, the same as applying the events one at a time.
 - Events may arrive in any order (a decode's completion before its prefill's), so every change to
-  a request's row is an upsert that adds costs and only moves the status forward: a completed
-  request stays completed.
+  a request's row is an upsert that adds costs and keeps a completed request completed.
 - GPU time that cannot be priced is never priced at zero silently: the reason goes to
   ``ledger_errors`` (with the unpriced GPU-seconds) and the event is still marked as seen.
 - The schema evolves by numbered migrations (`MIGRATIONS`), each applied once, in a transaction.
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import operator
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +32,8 @@ from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from schemas.events import (
-    DecodeCompleted,
-    FleetObserved,
-    LifecycleEvent,
-    PrefillCompleted,
-    RequestFailed,
-    RequestRejected,
-    RequestRouted,
-)
-from services.ledger.pricing import PricingError, price_gpu_seconds
+from schemas.events import FleetObserved, LifecycleEvent
+from services.ledger.fold import RequestDelta, fold
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
@@ -199,6 +195,12 @@ class LedgerStore:
         # SQLite has one writer at a time: queue this process's writes here rather than have
         # them spin on the database lock.
         self._write_lock: asyncio.Lock | None = asyncio.Lock() if self.dialect == "sqlite" else None
+        # The batch's statements, compiled once for this database.
+        dialect = engine.dialect
+        self._insert_events = _Compiled(events.insert(), dialect, _EVENT_FIELDS)
+        self._upsert_requests = _Compiled(self._upsert_requests_statement(), dialect, _REQUEST_FIELDS)
+        self._insert_errors = _Compiled(ledger_errors.insert(), dialect, _ERROR_FIELDS)
+        self._known_ids: dict[int, _Compiled] = {}  # by number of ids
 
     @classmethod
     async def open(
@@ -224,7 +226,8 @@ class LedgerStore:
             connect_args["server_settings"] = {"search_path": schema}
         if dialect == "sqlite" and sa_url.database and sa_url.database != ":memory:":
             Path(sa_url.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(sa_url, connect_args=connect_args, pool_pre_ping=True)
+        # A server connection can go stale; a local SQLite file cannot, so only ping servers.
+        engine = create_async_engine(sa_url, connect_args=connect_args, pool_pre_ping=dialect != "sqlite")
         if dialect == "sqlite":
             _install_sqlite_hooks(engine)
         store = cls(engine)
@@ -289,170 +292,106 @@ class LedgerStore:
         The event's id and its effect are committed together, so a redelivered event never
         counts twice and a failed write leaves nothing half-applied (the event is retried).
         """
-        async with self._write() as conn:
-            return await self._record_in(conn, event, prices, time.time())
+        return (await self.record_many([event], prices))[0]
 
     async def record_many(self, batch: Sequence[LifecycleEvent], prices: Mapping[str, float]) -> list[bool]:
-        """Record several events in one transaction (group commit); one flag per event."""
+        """Record several events in one transaction (group commit); one flag per event, False for
+        an event recorded before (in an earlier batch or earlier in this one).
+
+        A constant number of statements per batch, whatever its size: the ids already recorded
+        (one SELECT per `KNOWN_IDS_CHUNK` ids), then one executemany each for the new events, the
+        changed requests (the batch folded into one delta per request, fold.py) and the pricing
+        errors. The result is the same as recording the events one at a time, in order.
+        """
+        if not batch:
+            return []
         now = time.time()
         async with self._write() as conn:
-            return [await self._record_in(conn, event, prices, now) for event in batch]
-
-    async def _record_in(
-        self, conn: AsyncConnection, event: LifecycleEvent, prices: Mapping[str, float], now: float
-    ) -> bool:
-        request_id = None if isinstance(event, FleetObserved) else event.request_id
-        tenant = None if isinstance(event, FleetObserved) else event.tenant
-        seen = (
-            self._insert(events)
-            .values(
-                event_id=event.event_id,
-                type=type(event).__struct_config__.tag,
-                request_id=request_id,
-                tenant=tenant,
-                occurred_at=event.occurred_at,
-                recorded_at=now,
-            )
-            .on_conflict_do_nothing(index_elements=[events.c.event_id])
-            .returning(events.c.event_id)
-        )
-        if (await conn.execute(seen)).first() is None:
-            return False
-        await self._apply(conn, event, prices, now)
-        return True
-
-    async def _apply(
-        self, conn: AsyncConnection, event: LifecycleEvent, prices: Mapping[str, float], now: float
-    ) -> None:
-        if isinstance(event, PrefillCompleted):
-            cost = await self._price(conn, event, prices, now)
-            await self._upsert(
-                conn,
-                event,
-                now,
-                insert={
-                    "workflow_id": event.workflow_id,
-                    "prefill_worker": event.worker_id,
-                    "gpu_type_prefill": event.gpu_type,
-                    "prefill_gpu_seconds": event.gpu_seconds,
-                    "prefill_cost_usd": cost,
-                    "prompt_tokens": event.prompt_tokens,
-                    "cached_tokens": event.cached_tokens,
-                    "status": "running",
-                },
-                added=("prefill_gpu_seconds", "prefill_cost_usd"),
-                replaced=("prefill_worker", "gpu_type_prefill", "prompt_tokens", "cached_tokens"),
-            )
-        elif isinstance(event, DecodeCompleted):
-            cost = await self._price(conn, event, prices, now)
-            await self._upsert(
-                conn,
-                event,
-                now,
-                insert={
-                    "workflow_id": event.workflow_id,
-                    "decode_worker": event.worker_id,
-                    "gpu_type_decode": event.gpu_type,
-                    "decode_gpu_seconds": event.gpu_seconds,
-                    "decode_cost_usd": cost,
-                    "kv_transfer_bytes": event.kv_transfer_bytes,
-                    # Usage is the request's total, not a delta: it replaces, never adds.
-                    "prompt_tokens": event.usage.prompt_tokens,
-                    "cached_tokens": event.usage.cached_tokens,
-                    "completion_tokens": event.usage.completion_tokens,
-                    "status": "completed",
-                    "finish_reason": event.finish_reason,
-                    "latency_s": event.latency_s,
-                },
-                added=("decode_gpu_seconds", "decode_cost_usd", "kv_transfer_bytes"),
-                replaced=(
-                    "decode_worker",
-                    "gpu_type_decode",
-                    "prompt_tokens",
-                    "cached_tokens",
-                    "completion_tokens",
-                    "status",
-                    "finish_reason",
-                    "latency_s",
-                ),
-            )
-        elif isinstance(event, RequestFailed | RequestRejected):
-            status = "failed" if isinstance(event, RequestFailed) else "rejected"
-            workflow_id = event.workflow_id if isinstance(event, RequestFailed) else None
-            await self._upsert(
-                conn,
-                event,
-                now,
-                insert={"workflow_id": workflow_id, "status": status},
-                # A completed request stays completed (a late failure report of a retried step).
-                extra_updates={"status": sa.case((_rc.status == "completed", _rc.status), else_=status)},
-            )
-        elif isinstance(event, RequestRouted):
-            await self._upsert(
-                conn,
-                event,
-                now,
-                insert={
-                    "prefill_worker": event.prefill_worker,
-                    "decode_worker": event.decode_worker,
-                    "status": "running",
-                },
-                # The workers that report completion are authoritative; routing only fills gaps.
-                extra_updates={
-                    "prefill_worker": sa.func.coalesce(_rc.prefill_worker, event.prefill_worker),
-                    "decode_worker": sa.func.coalesce(_rc.decode_worker, event.decode_worker),
-                },
-            )
-        # FleetObserved: recorded in `events` only.
-
-    async def _price(
-        self,
-        conn: AsyncConnection,
-        event: PrefillCompleted | DecodeCompleted,
-        prices: Mapping[str, float],
-        now: float,
-    ) -> float:
-        """The event's cost; on a pricing error, 0 added and the reason kept in ledger_errors."""
-        try:
-            return price_gpu_seconds(event.gpu_type, event.gpu_seconds, prices)
-        except PricingError as exc:
-            phase = "prefill" if isinstance(event, PrefillCompleted) else "decode"
-            await conn.execute(
-                ledger_errors.insert().values(
-                    event_id=event.event_id,
-                    request_id=event.request_id,
-                    reason=f"{phase} not priced: {exc}; "
-                    f"{event.gpu_seconds} GPU-seconds on worker {event.worker_id} left unpriced",
-                    occurred_at=now,
+            known = await self._known_event_ids(conn, {event.event_id for event in batch})
+            flags: list[bool] = []
+            new: list[LifecycleEvent] = []
+            for event in batch:
+                is_new = event.event_id not in known
+                flags.append(is_new)
+                if is_new:
+                    known.add(event.event_id)
+                    new.append(event)
+            if not new:
+                return flags
+            # A plain INSERT: should a concurrent writer commit one of these ids meanwhile
+            # (PostgreSQL), the batch fails and is retried rather than counted twice.
+            await self._insert_events.executemany(conn, [_event_values(event, now) for event in new])
+            folded = fold(new, prices)
+            if folded.requests:
+                await self._upsert_requests.executemany(
+                    conn, [(*_delta_values(delta), now) for delta in folded.requests]
                 )
-            )
-            return 0.0
+            if folded.errors:
+                await self._insert_errors.executemany(
+                    conn, [(e.event_id, e.request_id, e.reason, now) for e in folded.errors]
+                )
+        return flags
 
-    async def _upsert(
-        self,
-        conn: AsyncConnection,
-        event: PrefillCompleted | DecodeCompleted | RequestFailed | RequestRejected | RequestRouted,
-        now: float,
-        *,
-        insert: Mapping[str, Any],
-        added: Sequence[str] = (),
-        replaced: Sequence[str] = (),
-        extra_updates: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Create the request's row, or update it: `added` columns are summed, `replaced` ones
-        take the event's value; the workflow id is kept once known."""
-        stmt = self._insert(request_costs).values(
-            request_id=event.request_id, tenant=event.tenant, updated_at=now, **insert
-        )
+    async def _known_event_ids(self, conn: AsyncConnection, event_ids: set[str]) -> set[str]:
+        """Which of `event_ids` are recorded already."""
+        ids = sorted(event_ids)
+        known: set[str] = set()
+        for start in range(0, len(ids), KNOWN_IDS_CHUNK):
+            chunk = ids[start : start + KNOWN_IDS_CHUNK]
+            # Padded to a power of two (repeating an id): few distinct queries to compile, and for
+            # the database to prepare.
+            size = 1 << (len(chunk) - 1).bit_length()
+            chunk += chunk[-1:] * (size - len(chunk))
+            query = self._known_ids.get(size)
+            if query is None:
+                query = self._known_ids[size] = _Compiled(
+                    _known_event_ids_query(size), self.engine.dialect, [f"id{i}" for i in range(size)]
+                )
+            known.update((await query.execute(conn, tuple(chunk))).scalars())
+        return known
+
+    def _upsert_requests_statement(self) -> Any:
+        """One upsert for every `RequestDelta`: a new row is the delta itself; an existing one
+        combines with it as fold.py describes."""
+        stmt = self._insert(request_costs)
         excluded = stmt.excluded
+        has_prefill = sa.bindparam("has_prefill", type_=sa.Boolean)
+        has_decode = sa.bindparam("has_decode", type_=sa.Boolean)
+
+        def replaced_if(reported: sa.ColumnElement[Any], name: str) -> sa.ColumnElement[Any]:
+            return sa.case((reported, excluded[name]), else_=_rc[name])
+
         updates: dict[str, Any] = {
             "updated_at": excluded.updated_at,
             "workflow_id": sa.func.coalesce(_rc.workflow_id, excluded.workflow_id),
+            # A completion's worker replaces; routing's (the delta's otherwise) only fills a gap.
+            "prefill_worker": sa.case(
+                (has_prefill, excluded.prefill_worker),
+                else_=sa.func.coalesce(_rc.prefill_worker, excluded.prefill_worker),
+            ),
+            "decode_worker": sa.case(
+                (has_decode, excluded.decode_worker),
+                else_=sa.func.coalesce(_rc.decode_worker, excluded.decode_worker),
+            ),
+            "gpu_type_prefill": replaced_if(has_prefill, "gpu_type_prefill"),
+            "gpu_type_decode": replaced_if(has_decode, "gpu_type_decode"),
+            "prompt_tokens": replaced_if(sa.or_(has_prefill, has_decode), "prompt_tokens"),
+            "cached_tokens": replaced_if(sa.or_(has_prefill, has_decode), "cached_tokens"),
+            "completion_tokens": replaced_if(has_decode, "completion_tokens"),
+            "finish_reason": replaced_if(has_decode, "finish_reason"),
+            "latency_s": replaced_if(has_decode, "latency_s"),
+            # The delta's status is the one its events give a running request: 'running' keeps
+            # the row's, and a completed request stays completed.
+            "status": sa.case(
+                (
+                    sa.or_(excluded.status == _RUNNING, _rc.status == _COMPLETED),
+                    _rc.status,
+                ),
+                else_=excluded.status,
+            ),
         }
-        updates.update({name: _rc[name] + excluded[name] for name in added})
-        updates.update({name: excluded[name] for name in replaced})
-        updates.update(extra_updates or {})
-        await conn.execute(stmt.on_conflict_do_update(index_elements=[_rc.request_id], set_=updates))
+        updates.update({name: _rc[name] + excluded[name] for name in _ADDED})
+        return stmt.on_conflict_do_update(index_elements=[_rc.request_id], set_=updates)
 
     def _insert(self, table: sa.Table) -> Any:
         """A dialect-specific INSERT, for its ON CONFLICT clauses."""
@@ -542,6 +481,98 @@ class LedgerStore:
 
 
 # ---------------------------------------------------------------- helpers
+
+KNOWN_IDS_CHUNK = 512  # event ids per SELECT of those already recorded
+
+
+def _known_event_ids_query(size: int) -> sa.Select[Any]:
+    return sa.select(events.c.event_id).where(
+        events.c.event_id.in_([sa.bindparam(f"id{i}", type_=sa.Text) for i in range(size)])
+    )
+
+
+# Columns a delta adds to an existing row; the others it replaces or fills (see fold.py).
+_ADDED = (
+    "prefill_gpu_seconds",
+    "decode_gpu_seconds",
+    "prefill_cost_usd",
+    "decode_cost_usd",
+    "kv_transfer_bytes",
+)
+
+
+# Rows go to `_Compiled` as tuples of these fields' values, in this order.
+_EVENT_FIELDS = ("event_id", "type", "request_id", "tenant", "occurred_at", "recorded_at")
+# A delta's fields (the request_costs columns, and the upsert's has_* parameters), then updated_at.
+_DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(RequestDelta))
+_REQUEST_FIELDS = (*_DELTA_FIELDS, "updated_at")
+_ERROR_FIELDS = ("event_id", "request_id", "reason", "occurred_at")
+
+_delta_values: Callable[[RequestDelta], tuple[Any, ...]] = operator.attrgetter(*_DELTA_FIELDS)
+
+# Inlined rather than bound, so that the upsert's only parameters are the rows' fields.
+_RUNNING: sa.ColumnElement[str] = sa.literal_column("'running'", sa.Text)
+_COMPLETED: sa.ColumnElement[str] = sa.literal_column("'completed'", sa.Text)
+
+
+def _event_values(event: LifecycleEvent, now: float) -> tuple[Any, ...]:
+    if isinstance(event, FleetObserved):
+        return (event.event_id, type(event).__struct_config__.tag, None, None, event.occurred_at, now)
+    tag = type(event).__struct_config__.tag
+    return (event.event_id, tag, event.request_id, event.tenant, event.occurred_at, now)
+
+
+def _driver_parameter_order(compiled: Any) -> Sequence[str] | None:
+    """The names of the parameters in the order the driver takes them; None for named ones."""
+    return compiled.positiontup  # type: ignore[no-any-return]
+
+
+class _Compiled:
+    """A statement compiled once for the store's dialect, executed with rows of plain tuples.
+
+    A row holds the values of `fields`, in that order, of types the drivers take as they are
+    (str, int, float, bool, None). With a positional paramstyle (aiosqlite, asyncpg) rows go
+    straight to the driver: SQLAlchemy's parameter processing, row by row, would cost more CPU
+    than the database spends on them. Drivers with named parameters get SQLAlchemy's own.
+    """
+
+    def __init__(self, statement: Any, dialect: sa.Dialect, fields: Sequence[str]) -> None:
+        column_keys = None
+        if isinstance(statement, sa.Insert):
+            # The fields' columns only, and no RETURNING of generated keys: nothing reads them.
+            column_keys = [name for name in fields if name in statement.table.c]
+            statement = statement.inline()
+        self.statement = statement
+        self.fields = tuple(fields)
+        compiled = statement.compile(dialect=dialect, column_keys=column_keys)
+        names = _driver_parameter_order(compiled)
+        self._sql: str | None = None
+        if names is None:
+            return
+        unknown = set(names) - set(self.fields)
+        if unknown:
+            raise RuntimeError(f"statement parameters not among the row's fields: {sorted(unknown)}")
+        indexes = [self.fields.index(name) for name in names]
+        self._sql = compiled.string
+        self._pick: Callable[[tuple[Any, ...]], tuple[Any, ...]] = (
+            operator.itemgetter(*indexes) if len(indexes) > 1 else lambda row: (row[indexes[0]],)
+        )
+
+    async def execute(self, conn: AsyncConnection, row: tuple[Any, ...]) -> sa.CursorResult[Any]:
+        if self._sql is None:
+            result: sa.CursorResult[Any] = await conn.execute(
+                self.statement, dict(zip(self.fields, row, strict=True))
+            )
+            return result
+        return await conn.exec_driver_sql(self._sql, self._pick(row))
+
+    async def executemany(self, conn: AsyncConnection, rows: Sequence[tuple[Any, ...]]) -> None:
+        if self._sql is None:
+            await conn.execute(self.statement, [dict(zip(self.fields, row, strict=True)) for row in rows])
+        else:
+            pick = self._pick
+            await conn.exec_driver_sql(self._sql, [pick(row) for row in rows])
+
 
 _FLOAT_SUMS = ("prefill_cost_usd", "decode_cost_usd", "prefill_gpu_seconds", "decode_gpu_seconds")
 _INT_SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "kv_transfer_bytes")
