@@ -8,11 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.events import ChatMessage, InferenceRequest, PriorityClass, RequestApi, WorkflowRef
-from services.engines.tokenizer import SimpleTokenizer
+from services.engines.tokenizer import tokenizer_for
 from services.mesh.block_hash import chain_block_hashes
 from services.mesh.config import MeshConfig
-
-_tokenizer = SimpleTokenizer()
 
 
 class InvalidRequest(ValueError):
@@ -33,19 +31,15 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """The chat template: role-tagged turns, ending with the assistant's turn to speak."""
-    turns = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages)
-    return turns + "<|assistant|>\n"
-
-
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
     request_id: str
     tenant: str
     model: str
     api: RequestApi
-    prompt: str
+    # Exactly one of the two: a raw prompt, or chat messages rendered with the model's template.
+    prompt: str | None
+    messages: list[ChatMessage] | None
     max_tokens: int
     temperature: float = 0.0
     priority: PriorityClass = "standard"
@@ -69,7 +63,11 @@ def prepare(request: ClientRequest, config: MeshConfig, now: float) -> Inference
         raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
     if request.deadline_ms is not None and request.deadline_ms < 1:
         raise InvalidRequest("the deadline must be a positive number of ms", param="x-ripple-deadline-ms")
-    tokens = _tokenizer.encode(request.prompt)
+    if (request.prompt is None) == (request.messages is None):
+        raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
+    tokenizer = tokenizer_for(model.path)
+    text = request.prompt if request.prompt is not None else tokenizer.render_chat(request.messages or [])
+    tokens = tokenizer.encode(text)
     if not tokens:
         raise InvalidRequest("the prompt is empty", param="prompt")
     if len(tokens) > config.max_prompt_tokens:
@@ -100,7 +98,3 @@ def prepare(request: ClientRequest, config: MeshConfig, now: float) -> Inference
         workflow=request.workflow,
         submitted_at=now,
     )
-
-
-def decode_text(token_ids: list[int]) -> str:
-    return _tokenizer.decode(token_ids)

@@ -46,7 +46,7 @@ from services.ingress.openai_api import (
     ResponseShape,
     error_body,
 )
-from services.ingress.prepare import ClientRequest, InvalidRequest, prepare, render_chat
+from services.ingress.prepare import ClientRequest, InvalidRequest, prepare
 from services.mesh.consumer import Delivery
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
@@ -296,7 +296,7 @@ class IngressService:
         try:
             if api == "chat":
                 chat = msgspec.json.decode(raw, type=ChatCompletionBody)
-                prompt = render_chat(chat.messages)
+                prompt, messages = None, chat.messages
                 max_tokens = chat.max_completion_tokens or chat.max_tokens or 256
                 model, temperature, stream, options = (
                     chat.model,
@@ -314,6 +314,7 @@ class IngressService:
                     prompt = completion.prompt[0]
                 else:
                     prompt = completion.prompt
+                messages = None
                 max_tokens = completion.max_tokens
                 model, temperature = completion.model, completion.temperature
                 stream, options = completion.stream, completion.stream_options
@@ -328,6 +329,7 @@ class IngressService:
             model=model,
             api=api,
             prompt=prompt,
+            messages=messages,
             max_tokens=max_tokens,
             temperature=temperature,
             priority=priority,
@@ -403,18 +405,14 @@ class IngressService:
         try:
             if tenant not in self._rt.config.tenants:
                 raise InvalidRequest(f"unknown tenant {tenant!r}", status=403, code="unknown_tenant")
-            if (submission.prompt is None) == (submission.messages is None):
-                raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
-            prompt = (
-                submission.prompt if submission.prompt is not None else render_chat(submission.messages or [])
-            )
             prepared = prepare(
                 ClientRequest(
                     request_id=submission.request_id,
                     tenant=tenant,
                     model=submission.model,
                     api="nats",
-                    prompt=prompt,
+                    prompt=submission.prompt,
+                    messages=submission.messages,
                     max_tokens=submission.max_tokens,
                     temperature=submission.temperature,
                     priority=submission.priority,

@@ -36,6 +36,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The sim engine's model shape (services/engines/sim/profiles.py).
     shape: str = "llama-3-8b"
     max_context_tokens: int = 8192
+    # A local Hugging Face model directory: the hf and vllm engines load it, and the ingress
+    # tokenizes with its tokenizer. Without one, the project's word tokenizer serves (sim, and
+    # the hf engine's tiny random Llama).
+    path: str | None = None
 
 
 class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
