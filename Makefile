@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,postgres]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,postgres,hf]'
 	@touch $(STAMP)
 
 install: $(STAMP)

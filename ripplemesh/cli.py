@@ -19,6 +19,7 @@ from services.mesh.config import ConfigError, config_path, default_data_dir, loa
 
 console = Console(stderr=True)
 
+ENGINE_CHOICES = ["sim", "hf", "vllm"]
 SERVICES = ("ingress", "admission", "router", "prefill", "decode", "autoscaler", "ledger")
 
 
@@ -67,8 +68,10 @@ def main() -> None:
 @click.option("--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API).")
 @click.option("--http-host", default="127.0.0.1")
 @click.option("--worker-id", default=None, help="Worker id (prefill/decode); stable across restarts.")
-@click.option("--engine", default="sim", type=click.Choice(["sim"]))
+@click.option("--engine", default="sim", type=click.Choice(ENGINE_CHOICES))
 @click.option("--gpu", default="H100", help="GPU type the sim engine models.")
+@click.option("--model-path", default=None, help="hf/vllm: a local Hugging Face model directory.")
+@click.option("--device", default=None, help="hf: torch device (default: cuda if present, else cpu).")
 @click.option("--model", default=None, help="Model to serve (default: the config's first).")
 @click.option("--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time.")
 @click.option("--database-url", default=None, help="Ledger database (default SQLite in the data dir).")
@@ -82,6 +85,8 @@ def run(
     worker_id: str | None,
     engine: str,
     gpu: str,
+    model_path: str | None,
+    device: str | None,
     model: str | None,
     time_scale: float,
     database_url: str | None,
@@ -101,6 +106,8 @@ def run(
         "engine": engine,
         "gpu": gpu,
         "model": model,
+        "model_path": model_path,
+        "device": device,
         "time_scale": time_scale,
         "database_url": database_url,
     }
@@ -116,7 +123,7 @@ def run(
 
 
 @main.command()
-@click.option("--engine", default="sim", type=click.Choice(["sim"]))
+@click.option("--engine", default="sim", type=click.Choice(ENGINE_CHOICES))
 @click.option("--prefill", default=1, show_default=True, help="Prefill workers (0: aggregated serving).")
 @click.option("--decode", default=1, show_default=True, help="Decode workers.")
 @click.option("--http-port", default=8000, show_default=True)
@@ -124,6 +131,7 @@ def run(
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
 @click.option("--gpu", default="H100", show_default=True)
+@click.option("--model-path", default=None, help="hf/vllm: a local Hugging Face model directory.")
 @click.option("--time-scale", type=float, default=1.0, show_default=True)
 @click.option("--database-url", default=None)
 def up(
@@ -135,6 +143,7 @@ def up(
     data_dir: Path | None,
     config_file: Path | None,
     gpu: str,
+    model_path: str | None,
     time_scale: float,
     database_url: str | None,
 ) -> None:
@@ -157,6 +166,7 @@ def up(
         decode=decode,
         engine=engine,
         gpu=gpu,
+        model_path=model_path,
         time_scale=time_scale,
         database_url=database_url,
     )

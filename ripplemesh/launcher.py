@@ -53,6 +53,7 @@ class Mesh:
     engine: str = "sim"
     gpu: str = "H100"
     time_scale: float = 1.0
+    model_path: str | None = None
     database_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
@@ -88,6 +89,8 @@ class Mesh:
 
     def plan(self) -> list[Child]:
         engine = ["--engine", self.engine, "--gpu", self.gpu, "--time-scale", str(self.time_scale)]
+        if self.model_path:
+            engine += ["--model-path", self.model_path]
         children = []
         for i in range(self.decode):
             children.append(self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine))

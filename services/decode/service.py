@@ -27,7 +27,7 @@ class DecodeService:
     async def start(self, runtime: Runtime) -> None:
         settings = runtime.options.extra
         worker_id = settings["worker_id"]
-        engine = make_engine(settings, runtime.config)
+        engine = make_engine({**settings, "role": "decode"}, runtime.config)
         self.host = EngineHost(
             runtime,
             engine,

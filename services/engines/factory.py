@@ -7,7 +7,7 @@ from typing import Any
 from services.engines.base import Engine, RealClock
 from services.mesh.config import MeshConfig
 
-ENGINES = ("sim",)
+ENGINES = ("sim", "hf", "vllm")
 
 
 def make_engine(settings: dict[str, Any], config: MeshConfig) -> Engine:
@@ -26,5 +26,29 @@ def make_engine(settings: dict[str, Any], config: MeshConfig) -> Engine:
             block_size=config.block_size,
             clock=RealClock(float(settings.get("time_scale", 1.0))),
             max_context_tokens=model.max_context_tokens,
+        )
+    if kind == "hf":
+        from services.engines.hf.engine import HfEngine
+
+        # A local model directory (settings, else the mesh config); with none, a tiny random Llama.
+        return HfEngine(
+            model=model.name,
+            model_path=settings.get("model_path") or model.path,
+            block_size=config.block_size,
+            device=settings.get("device") or None,
+            max_context_tokens=model.max_context_tokens,
+            kv_cache_tokens=settings.get("kv_cache_tokens"),
+        )
+    if kind == "vllm":
+        from services.engines.vllm.engine import make_vllm_engine
+
+        # A decode worker also serves aggregated work; vLLM's KV connector role follows the worker's.
+        return make_vllm_engine(
+            {
+                **settings,
+                "model_path": settings.get("model_path") or model.path,
+                "vllm_role": settings.get("vllm_role") or settings.get("role") or "aggregated",
+            },
+            config,
         )
     raise ValueError(f"unknown engine {kind!r}; available here: {', '.join(ENGINES)}")

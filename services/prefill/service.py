@@ -26,7 +26,7 @@ class PrefillService:
     async def start(self, runtime: Runtime) -> None:
         settings = runtime.options.extra
         worker_id = settings["worker_id"]
-        engine = make_engine(settings, runtime.config)
+        engine = make_engine({**settings, "role": "prefill"}, runtime.config)
         self.host = EngineHost(
             runtime,
             engine,
