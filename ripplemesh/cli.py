@@ -262,6 +262,51 @@ def bench_overhead(rate: float, count: int, prefill: int) -> None:
     run_overhead_bench(rate=rate, count=count, prefill=prefill, console=Console())
 
 
+@bench.command("engine")
+@click.option("--engine", default="sim", type=click.Choice(ENGINE_CHOICES), show_default=True)
+@click.option("--gpu", default="H100", show_default=True, help="sim: the GPU profile.")
+@click.option(
+    "--model",
+    default="llama-3-8b",
+    show_default=True,
+    help="sim: a model shape (e.g. llama-3-8b:fp8); others: a configured model or directory.",
+)
+@click.option("--batches", default="1,8,32,128", show_default=True, help="Decode batch sizes.")
+@click.option("--prompt-tokens", default=1000, show_default=True)
+@click.option("--output-tokens", default=128, show_default=True)
+@click.option(
+    "--published-requests",
+    default=1000,
+    show_default=True,
+    help="Requests in the saturated published-throughput run (3000 reproduces it).",
+)
+@click.option("--tensor-parallel", default=1, show_default=True)
+def bench_engine(
+    engine: str,
+    gpu: str,
+    model: str,
+    batches: str,
+    prompt_tokens: int,
+    output_tokens: int,
+    published_requests: int,
+    tensor_parallel: int,
+) -> None:
+    """Prefill and decode tokens/s by batch size; sim next to the public figures it is calibrated to."""
+    from ripplemesh.bench.engine import run_engine_bench
+
+    run_engine_bench(
+        engine=engine,
+        gpu=gpu,
+        model=model,
+        console=Console(),
+        batches=[int(b) for b in batches.split(",") if b.strip()],
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        published_requests=published_requests,
+        tensor_parallel=tensor_parallel,
+    )
+
+
 @bench.command("ledger")
 @click.option("--events", default=20_000, show_default=True, help="Lifecycle events to record.")
 @click.option("--batch", default=256, show_default=True, help="Events per transaction (group commit).")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from schemas.events import InferenceRequest, KvHandle
 
@@ -51,6 +53,8 @@ class EngineSnapshot:
     queue_depth: int
     running: int
     tokens_per_s: float
+    # Sequences evicted from the running batch for lack of KV blocks, since the engine started.
+    preemptions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,3 +137,113 @@ class RealClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds * self.time_scale)
+
+
+class VirtualClock:
+    """Simulated time for discrete-event runs, on an ordinary asyncio event loop.
+
+    `sleep(s)` parks the caller in a heap keyed by (wake-up time, arrival order). One driver task
+    per event loop, started by the first sleeper, lets the loop run until nothing else is ready
+    (every task is blocked: on a clock, or on a queue, event or future that only other tasks can
+    resolve), then advances each clock with sleepers to its earliest wake-up and wakes every
+    sleeper due then, in arrival order; and again, until no one sleeps (the driver then exits;
+    the next sleep starts another). So many engines and load generators sharing one clock
+    interleave in time order, a step of GPU work costs no wall time, and a run depends only on
+    the order of work, not on the host's speed: it is deterministic. Clocks on the same loop that
+    are not shared are independent; each advances only its own time.
+
+    "Nothing else is ready" is read from the loop's ready queue (`_ready`, present in CPython's
+    asyncio loops; asyncio has no public call for it). On a loop without one (uvloop) the driver
+    yields `settle_rounds` times instead, enough for wake-up chains up to that length. Tasks that
+    wait on real I/O or real timers are invisible to it: virtual time does not wait for them, so
+    a simulation should wait only on its clock and on its own tasks.
+    """
+
+    def __init__(self, start: float = 0.0, *, settle_rounds: int = 64):
+        self._now = start
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self.settle_rounds = settle_rounds
+
+    def now(self) -> float:
+        return self._now
+
+    @property
+    def sleepers(self) -> int:
+        return sum(1 for _, _, future in self._sleepers if not future.done())
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._order), future))
+        _VirtualTimeDriver.of(loop).watch(self)
+        await future
+
+    def _advance(self) -> bool:
+        """Wake the sleepers due first; False when none is left."""
+        sleepers = self._sleepers
+        while sleepers and sleepers[0][2].done():  # cancelled while asleep
+            heapq.heappop(sleepers)
+        if not sleepers:
+            return False
+        when = sleepers[0][0]
+        self._now = max(self._now, when)
+        while sleepers and sleepers[0][0] <= when:
+            _, _, future = heapq.heappop(sleepers)
+            if not future.done():
+                future.set_result(None)
+        return True
+
+
+class _VirtualTimeDriver:
+    """Advances the VirtualClocks of one event loop whenever the loop has nothing else to run.
+
+    One per loop while any of its clocks has sleepers, so that two drivers never keep each other
+    "ready" forever; it removes itself when none is left."""
+
+    _by_loop: ClassVar[dict[asyncio.AbstractEventLoop, _VirtualTimeDriver]] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.clocks: dict[VirtualClock, None] = {}  # insertion-ordered: deterministic
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _VirtualTimeDriver:
+        driver = cls._by_loop.get(loop)
+        if driver is None:
+            driver = cls._by_loop[loop] = cls(loop)
+        return driver
+
+    def watch(self, clock: VirtualClock) -> None:
+        self.clocks[clock] = None
+        if self.task is None or self.task.done():
+            self.task = self.loop.create_task(self._drive(), name="virtual-time")
+
+    async def _settle(self) -> None:
+        """Yield to the loop until every other task is blocked (nothing but us is ready)."""
+        ready = getattr(self.loop, "_ready", None)
+        if ready is None:
+            for _ in range(max((c.settle_rounds for c in self.clocks), default=64)):
+                await asyncio.sleep(0)
+            return
+        while True:
+            await asyncio.sleep(0)
+            if not ready:
+                return
+
+    async def _drive(self) -> None:
+        try:
+            while True:
+                await self._settle()
+                idle = [clock for clock in self.clocks if not clock._advance()]
+                for clock in idle:
+                    del self.clocks[clock]
+                if not self.clocks:
+                    return
+        finally:
+            if not self.clocks and self._by_loop.get(self.loop) is self:
+                del self._by_loop[self.loop]

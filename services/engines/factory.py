@@ -9,6 +9,14 @@ from services.mesh.config import MeshConfig
 
 ENGINES = ("sim", "hf", "vllm")
 
+# Optional worker settings the sim engine takes, by the engine's argument name.
+_SIM_TUNING = {
+    "tensor_parallel": "tensor_parallel",
+    "max_running": "max_running",
+    "max_batch_tokens": "max_batch_tokens",
+    "kv_cache_tokens": "kv_capacity_tokens",
+}
+
 
 def make_engine(settings: dict[str, Any], config: MeshConfig) -> Engine:
     kind = settings.get("engine", "sim")
@@ -26,6 +34,11 @@ def make_engine(settings: dict[str, Any], config: MeshConfig) -> Engine:
             block_size=config.block_size,
             clock=RealClock(float(settings.get("time_scale", 1.0))),
             max_context_tokens=model.max_context_tokens,
+            **{
+                engine_arg: settings[setting]
+                for setting, engine_arg in _SIM_TUNING.items()
+                if settings.get(setting) is not None
+            },
         )
     if kind == "hf":
         from services.engines.hf.engine import HfEngine

@@ -1,20 +1,35 @@
 """The sim engine: continuous batching over the roofline model, with a paged prefix cache.
 
-One scheduler loop runs steps like a serving engine does: every running sequence decodes one
-token, and waiting prompts fill the rest of the step's token budget (chunked prefill). A step
-lasts as long as the performance model says, on the engine's clock. GPU time is attributed to
-the requests in the step: its prefill part to the prompts by their tokens, its decode part and
-overhead shared equally.
+One scheduler loop runs steps as a serving engine does (vLLM's, with chunked prefill):
+1. sequences whose decode was asked for join the running batch (up to `max_running`);
+2. every running decode gets one token of the step's token budget, and the KV block that token
+   needs when it crosses a block boundary. When no block is left, the most recently admitted
+   running sequence is preempted, recompute-style: its blocks are freed and it goes back to the
+   head of the waiting queue, to prefill its prompt and the tokens it has generated again (its
+   cached prefix blocks usually still hit), after which its stream goes on where it stopped;
+3. prompts being prefilled continue, chunked to the budget left;
+4. waiting prompts are admitted in order while the budget, `max_running` and the KV cache allow:
+   an admission takes the blocks for the whole prompt, reusing its cached prefix.
+A step lasts as long as the performance model says, on the engine's clock: a RealClock in the
+mesh (optionally sped up), a VirtualClock in the simulator, the same code either way. GPU time is
+attributed to the sequences in the step by their share of its work (perf.step_shares).
+
+A full prompt block is published as "stored" when the step that computes its last token ends
+(or when imported KV arrives), not when it is allocated. Generated tokens are a deterministic
+function of the prompt and position (greedy) or of the request too (temperature > 0), so an
+imported KV decodes to the same tokens as aggregated serving, and a preempted sequence resumes
+its stream seamlessly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import random
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from schemas.events import InferenceRequest, KvHandle
 from services.engines.base import (
@@ -28,32 +43,108 @@ from services.engines.base import (
     RealClock,
 )
 from services.engines.sim.blocks import BlockManager
-from services.engines.sim.perf import PerfModel
+from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S, PerfModel
 from services.engines.sim.profiles import gpu, model_shape
 from services.engines.tokenizer import SimpleTokenizer
 
-BLOCK_WAIT_TIMEOUT_S = 30.0
+# Finished requests' GPU time kept for `gpu_seconds` (prefill workers never ask for it).
+FINISHED_KEPT = 10_000
+_MASK64 = (1 << 64) - 1
+
+State = Literal["waiting", "running", "importing", "idle", "ready", "done"]
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a fast, well-spread 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class _Stream:
+    """Tokens on their way to `decode()`'s consumer: a list and at most one waiter, lighter than
+    an asyncio.Queue (one put per token per sequence is the engine's hottest path). A consumer
+    that fell behind gets every token waiting in one step."""
+
+    __slots__ = ("error", "finish", "tokens", "waiter")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: EngineError | None = None
+
+    def put(self, token: int, finish: str | None) -> None:
+        self.tokens.append(token)
+        self.finish = finish
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def fail(self, error: EngineError) -> None:
+        self.error = error
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+@dataclass(eq=False, slots=True)
+class _Sequence:
+    request: InferenceRequest
+    seed: int
+    prompt_len: int
+    state: State = "waiting"
+    computed: int = 0  # tokens whose KV is computed
+    generated: int = 0  # output tokens sampled so far (the first one included)
+    cached_tokens: int = 0  # prompt tokens found cached at the first admission
+    admitted_once: bool = False
+    decoding: bool = False  # decode() asked for it: its tokens go to `steps`
+    kv_import: bool = False
+    prefill_gpu_s: float = 0.0
+    decode_gpu_s: float = 0.0
+    preemptions: int = 0
+    first_token: asyncio.Future[int] | None = None
+    admitted: asyncio.Future[None] | None = None  # imports: resolved once blocks are held
+    steps: _Stream = field(default_factory=lambda: _Stream())
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known: the prompt and every sampled token (the last one's KV comes next step)."""
+        return self.prompt_len + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.decoding and self.remaining == 1
 
 
 @dataclass
-class _Sequence:
-    request: InferenceRequest
-    to_compute: int  # prompt tokens not found in the prefix cache
-    cached_tokens: int
-    computed: int = 0
-    generated: int = 0
-    prefill_gpu_s: float = 0.0
-    decode_gpu_s: float = 0.0
-    first_token: asyncio.Future[int] | None = None
-    steps: asyncio.Queue[DecodeStep] = field(default_factory=asyncio.Queue)
-    rng: random.Random = field(default_factory=random.Random)
-
-    @property
-    def context(self) -> int:
-        return len(self.request.prompt_tokens) + self.generated
+class SimStats:
+    steps: int = 0
+    busy_seconds: float = 0.0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
+    generated_tokens: int = 0  # tokens sampled, first tokens included
+    preemptions: int = 0
 
 
 class SimEngine:
+    """A simulated GPU serving a model; see the module docstring.
+
+    `shape` names a model shape, optionally with its precision ("llama-3-8b:fp8"), or `dtype`
+    and `kv_dtype` set it; `mfu`, `mbu` and `step_overhead_s` default to perf.py's calibrated
+    factors. `kv_capacity_tokens` defaults to what fits in `memory_fraction` of the GPUs'
+    memory beside the weights. `max_batch_tokens` is the token budget of a step (chunked
+    prefill), `max_running` the cap on sequences in the running batch.
+    """
+
     def __init__(
         self,
         *,
@@ -67,22 +158,37 @@ class SimEngine:
         max_running: int = 256,
         kv_capacity_tokens: int | None = None,
         max_context_tokens: int = 8192,
+        dtype: str | None = None,
+        kv_dtype: str | None = None,
+        mfu: float = MFU,
+        mbu: float = MBU,
+        step_overhead_s: float = STEP_OVERHEAD_S,
+        memory_fraction: float = 0.9,
     ):
-        self.perf = PerfModel(gpu(gpu_type), model_shape(shape), tensor_parallel)
+        model_profile = model_shape(shape)
+        if dtype is not None or kv_dtype is not None:
+            model_profile = model_profile.with_dtype(
+                dtype or model_profile.dtype, kv_dtype or dtype or model_profile.kv_dtype
+            )
+        self.perf = PerfModel(gpu(gpu_type), model_profile, tensor_parallel, mfu, mbu, step_overhead_s)
         self.clock: Clock = clock or RealClock()
-        capacity = kv_capacity_tokens or self.perf.kv_capacity_tokens()
+        capacity = kv_capacity_tokens or self.perf.kv_capacity_tokens(memory_fraction)
+        if max_batch_tokens < 1 or max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be at least 1")
         self.blocks = BlockManager(capacity // block_size, block_size)
         self.info = EngineInfo("sim", model, gpu_type, block_size, self.blocks.total_blocks)
         self.tokenizer = SimpleTokenizer()
+        self._words = self.tokenizer.word_ids
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.max_context_tokens = max_context_tokens
-        self._waiting: deque[_Sequence] = deque()
+        self.stats = SimStats()
+        self._waiting: deque[_Sequence] = deque()  # to prefill (or import), in order
+        self._ready: deque[_Sequence] = deque()  # prefilled, decode asked for, not yet running
+        self._running: list[_Sequence] = []  # in admission order
         self._resident: dict[str, _Sequence] = {}
-        self._decoding: dict[str, _Sequence] = {}
-        self._gpu_seconds: dict[str, tuple[float, float]] = {}
+        self._finished: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._wake = asyncio.Event()
-        self._blocks_freed = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self._tokens_per_s = 0.0
 
@@ -97,9 +203,13 @@ class SimEngine:
             self._loop.cancel()
             await asyncio.gather(self._loop, return_exceptions=True)
             self._loop = None
+        stopped = EngineError("engine stopped", code="capacity")
         for seq in list(self._resident.values()):
-            if seq.first_token is not None and not seq.first_token.done():
-                seq.first_token.set_exception(EngineError("engine stopped", code="capacity"))
+            for future in (seq.first_token, seq.admitted):
+                if future is not None and not future.done():
+                    future.set_exception(stopped)
+            if seq.decoding:
+                seq.steps.fail(stopped)
 
     # ------------------------------------------------------------ protocol
 
@@ -111,52 +221,43 @@ class SimEngine:
                 f"block size mismatch: request hashed with {request.block_size}, "
                 f"engine uses {self.info.block_size}"
             )
-        total = len(request.prompt_tokens) + request.max_tokens
+        prompt = len(request.prompt_tokens)
+        if prompt == 0:
+            raise EngineError("empty prompt")
+        if len(request.block_hashes) != prompt // self.info.block_size:
+            raise EngineError(
+                f"{len(request.block_hashes)} block hashes for a {prompt}-token prompt "
+                f"in blocks of {self.info.block_size}"
+            )
+        total = prompt + request.max_tokens
         if total > self.max_context_tokens:
             raise EngineError(
-                f"prompt ({len(request.prompt_tokens)}) + max_tokens ({request.max_tokens}) "
+                f"prompt ({prompt}) + max_tokens ({request.max_tokens}) "
                 f"exceeds the model's context of {self.max_context_tokens} tokens"
             )
         if self.blocks.blocks_for(total) > self.blocks.total_blocks:
-            raise EngineError("request needs more KV blocks than this engine has")
+            raise EngineError("request needs more KV blocks than this engine has", code="capacity")
         if request.request_id in self._resident:
             raise EngineError(f"request {request.request_id} is already on this engine")
 
-    async def _reserve(self, request: InferenceRequest) -> int:
-        """Reserve KV for prompt and output; waits (bounded) for blocks to free up."""
-        total = len(request.prompt_tokens) + request.max_tokens
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + BLOCK_WAIT_TIMEOUT_S
-        while True:
-            matched = self.blocks.allocate(request.request_id, request.block_hashes, total)
-            if matched is not None:
-                return matched
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise EngineError("timed out waiting for KV cache space", code="capacity")
-            self._blocks_freed.clear()
-            try:
-                await asyncio.wait_for(self._blocks_freed.wait(), timeout=remaining)
-            except TimeoutError:
-                continue
-
-    def _new_sequence(self, request: InferenceRequest, cached_tokens: int) -> _Sequence:
-        seed = int.from_bytes(hashlib.blake2b(request.request_id.encode(), digest_size=8).digest())
+    def _new_sequence(self, request: InferenceRequest) -> _Sequence:
+        # Greedy output depends on the prompt only; sampled output on the request too.
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(request.model.encode())
+        digest.update(array("q", request.prompt_tokens).tobytes())
+        if request.temperature > 0:
+            digest.update(request.request_id.encode())
         seq = _Sequence(
             request=request,
-            to_compute=len(request.prompt_tokens) - cached_tokens,
-            cached_tokens=cached_tokens,
-            rng=random.Random(seed),
+            seed=int.from_bytes(digest.digest(), "little"),
+            prompt_len=len(request.prompt_tokens),
         )
         self._resident[request.request_id] = seq
         return seq
 
     async def prefill(self, request: InferenceRequest) -> PrefillResult:
         self._check(request)
-        matched_blocks = await self._reserve(request)
-        # At least one prompt token is always computed: it produces the first output token.
-        cached = min(matched_blocks * self.info.block_size, len(request.prompt_tokens) - 1)
-        seq = self._new_sequence(request, cached)
+        seq = self._new_sequence(request)
         seq.first_token = asyncio.get_running_loop().create_future()
         self._waiting.append(seq)
         self._wake.set()
@@ -168,82 +269,113 @@ class SimEngine:
         num_tokens = len(request.prompt_tokens)
         return PrefillResult(
             first_token_id=first,
-            cached_tokens=cached,
+            cached_tokens=seq.cached_tokens,
             gpu_seconds=seq.prefill_gpu_s,
             kv=KvHandle(
                 source_worker="",
                 num_tokens=num_tokens,
                 block_hashes=list(request.block_hashes),
-                kv_bytes=(num_tokens - cached) * self.perf.model.kv_bytes_per_token,
+                kv_bytes=num_tokens * self.perf.model.kv_bytes_per_token,
             ),
         )
 
     async def export_kv(self, request_id: str) -> bytes | None:
         # Simulated KV has no bytes: the decode side models the transfer from its size.
+        if request_id not in self._resident:
+            raise EngineError(f"request {request_id} has no KV on this engine")
         return None
 
     async def import_kv(self, request: InferenceRequest, kv: KvHandle, payload: bytes | None) -> float:
         self._check(request)
-        if kv.num_tokens != len(request.prompt_tokens):
-            raise EngineError(
-                f"KV covers {kv.num_tokens} tokens, the prompt has {len(request.prompt_tokens)}"
-            )
+        prompt = len(request.prompt_tokens)
+        if payload is not None:
+            raise EngineError("the sim engine cannot import KV bytes from another kind of engine")
+        if kv.num_tokens != prompt:
+            raise EngineError(f"KV covers {kv.num_tokens} tokens, the prompt has {prompt}")
         if kv.block_hashes != request.block_hashes:
             raise EngineError("KV block hashes do not match the request's prompt")
-        matched_blocks = await self._reserve(request)
-        # Blocks this worker already caches need not travel.
-        local = min(matched_blocks * self.info.block_size, kv.num_tokens)
-        transfer_bytes = (kv.num_tokens - local) * self.perf.model.kv_bytes_per_token
-        seconds = self.perf.kv_transfer_seconds(transfer_bytes)
-        seq = self._new_sequence(request, kv.num_tokens)
-        seq.generated = 0
-        await self.clock.sleep(seconds)
+        seq = self._new_sequence(request)
+        seq.kv_import = True
+        seq.admitted = asyncio.get_running_loop().create_future()
+        self._waiting.append(seq)
+        self._wake.set()
+        try:
+            await seq.admitted
+            # Blocks this worker already caches need not travel.
+            seconds = self.perf.kv_transfer_seconds(
+                (prompt - seq.cached_tokens) * self.perf.model.kv_bytes_per_token
+            )
+            await self.clock.sleep(seconds)
+            if seq.state != "importing":
+                raise EngineError(f"request {request.request_id} was released during its KV import")
+        except BaseException:
+            self.release(request.request_id)
+            raise
+        seq.computed = prompt
+        seq.state = "idle"
+        self.blocks.mark_computed(request.request_id, prompt)
         return seconds
 
     async def decode(self, request_id: str, first_token_id: int) -> AsyncIterator[DecodeStep]:
         seq = self._resident.get(request_id)
-        if seq is None:
-            raise EngineError(f"request {request_id} has no KV on this engine")
+        if seq is None or seq.state != "idle":
+            raise EngineError(f"request {request_id} has no prefilled KV on this engine")
         seq.generated = max(seq.generated, 1)  # the first token came from prefill
         try:
             if seq.generated >= seq.request.max_tokens:
                 yield DecodeStep([], "length")
                 return
-            self._decoding[request_id] = seq
+            seq.decoding = True
+            seq.state = "ready"
+            self._ready.append(seq)
             self._wake.set()
+            stream = seq.steps
+            loop = asyncio.get_running_loop()
             while True:
-                step = await seq.steps.get()
-                yield step
-                if step.finish_reason is not None:
+                while not stream.tokens:
+                    if stream.error is not None:
+                        raise stream.error
+                    stream.waiter = loop.create_future()
+                    await stream.waiter
+                tokens, stream.tokens = stream.tokens, []
+                finish = stream.finish
+                yield DecodeStep(tokens, finish)
+                if finish is not None:
                     return
         finally:
-            self._decoding.pop(request_id, None)
             self.release(request_id)
 
     def release(self, request_id: str) -> None:
         seq = self._resident.pop(request_id, None)
         if seq is None:
             return
-        self._decoding.pop(request_id, None)
-        if seq in self._waiting:
+        if seq.state == "waiting":
             self._waiting.remove(seq)
-        self._gpu_seconds[request_id] = (seq.prefill_gpu_s, seq.decode_gpu_s)
+        elif seq.state == "ready":
+            self._ready.remove(seq)
+        elif seq.state == "running":
+            self._running.remove(seq)
+        seq.state = "done"
+        self._finished[request_id] = (seq.prefill_gpu_s, seq.decode_gpu_s)
+        while len(self._finished) > FINISHED_KEPT:
+            self._finished.popitem(last=False)
         self.blocks.free(request_id)
-        self._blocks_freed.set()
+        self._wake.set()
 
     def gpu_seconds(self, request_id: str) -> tuple[float, float]:
         seq = self._resident.get(request_id)
         if seq is not None:
             return (seq.prefill_gpu_s, seq.decode_gpu_s)
-        return self._gpu_seconds.pop(request_id, (0.0, 0.0))
+        return self._finished.pop(request_id, (0.0, 0.0))
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
             kv_blocks_used=self.blocks.used_blocks,
             kv_blocks_cached=self.blocks.cached_blocks,
             queue_depth=len(self._waiting),
-            running=len(self._decoding),
+            running=len(self._running) + len(self._ready),
             tokens_per_s=round(self._tokens_per_s, 3),
+            preemptions=self.stats.preemptions,
         )
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -259,52 +391,142 @@ class SimEngine:
 
     async def _run(self) -> None:
         while True:
-            if not self._waiting and not self._decoding:
+            batch = self._schedule()
+            if not batch:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._step()
+            await self._execute(batch)
 
-    async def _step(self) -> None:
+    def _admit(self, seq: _Sequence) -> None:
+        seq.state = "running"
+        self._running.append(seq)
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Recompute-style: free the sequence's KV; it prefills prompt + output again later."""
+        self._running.remove(seq)
+        self.blocks.free(seq.request_id)
+        seq.computed = 0
+        seq.state = "waiting"
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _schedule(self) -> list[tuple[_Sequence, int]]:
+        """This step's batch: (sequence, tokens to compute) pairs."""
         budget = self.max_batch_tokens
-        decoding = list(self._decoding.values())[: self.max_running]
-        budget -= len(decoding)
-        chunks: list[tuple[_Sequence, int]] = []
-        for seq in self._waiting:
+        batch: list[tuple[_Sequence, int]] = []
+        preemptions = self.stats.preemptions
+        # 1. Decodes asked for join the batch; they already hold their prompt's blocks.
+        while self._ready and len(self._running) < self.max_running:
+            self._admit(self._ready.popleft())
+        # 2. Decodes, oldest first, each with the block its token needs (a new one when the
+        # token starts a block).
+        block_size = self.info.block_size
+        running = self._running
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            if not seq.decoding or seq.prompt_len + seq.generated - seq.computed != 1:
+                index += 1
+                continue
+            if seq.computed % block_size == 0:
+                while not self.blocks.grow(seq.request.request_id, seq.computed + 1):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    batch.append((seq, 1))
+                    budget -= 1
+                    index += 1
+            else:
+                batch.append((seq, 1))
+                budget -= 1
+                index += 1
+        # 3. Prompts part-way through their prefill (or recompute) continue.
+        for seq in running:
             if budget <= 0:
                 break
-            take = min(seq.to_compute - seq.computed, budget)
-            chunks.append((seq, take))
+            if not seq.decoding or seq.prompt_len + seq.generated - seq.computed != 1:
+                take = min(seq.prompt_len + seq.generated - seq.computed, budget)
+                batch.append((seq, take))
+                budget -= take
+        # 4. New prompts, in order, while there is room; none in a step that had to preempt (as
+        # vLLM does: the KV is short, admitting more would only preempt again).
+        while self._waiting and budget > 0 and preemptions == self.stats.preemptions:
+            seq = self._waiting[0]
+            if not seq.kv_import and len(self._running) >= self.max_running:
+                break
+            tokens = len(seq.request.prompt_tokens) if seq.kv_import else seq.num_tokens
+            matched = self.blocks.allocate(seq.request_id, seq.request.block_hashes, tokens)
+            if matched is None:
+                break
+            self._waiting.popleft()
+            cached = min(matched * self.info.block_size, tokens if seq.kv_import else tokens - 1)
+            if not seq.admitted_once:
+                seq.cached_tokens = cached
+                seq.admitted_once = True
+            if seq.kv_import:
+                seq.state = "importing"
+                if seq.admitted is not None and not seq.admitted.done():
+                    seq.admitted.set_result(None)
+                continue
+            seq.computed = cached
+            self._admit(seq)
+            take = min(seq.remaining, budget)
+            batch.append((seq, take))
             budget -= take
-        prefill_times = [self.perf.prefill_seconds(n, seq.cached_tokens + seq.computed) for seq, n in chunks]
-        decode_time = self.perf.decode_seconds(len(decoding), sum(s.context for s in decoding))
-        overhead = self.perf.step_overhead_s
-        step_time = overhead + sum(prefill_times) + decode_time
+        return batch
+
+    async def _execute(self, batch: list[tuple[_Sequence, int]]) -> None:
+        shares = self.perf.step_shares([(n, seq.computed) for seq, n in batch])
+        step_time = sum(shares)
         await self.clock.sleep(step_time)
-
-        share = overhead / (len(chunks) + len(decoding))
-        for (seq, n), seconds in zip(chunks, prefill_times, strict=True):
-            if seq.request.request_id not in self._resident:
+        stats = self.stats
+        stats.steps += 1
+        stats.busy_seconds += step_time
+        emitted = 0
+        any_done = False
+        for (seq, n), share in zip(batch, shares, strict=True):
+            if seq.state != "running":
+                any_done = True
                 continue  # released mid-step (cancelled)
-            seq.computed += n
-            seq.prefill_gpu_s += seconds + share
-            if seq.computed >= seq.to_compute:
-                self._waiting.remove(seq)
-                if seq.first_token is not None and not seq.first_token.done():
-                    seq.first_token.set_result(self._next_token(seq))
-        per_sequence = decode_time / len(decoding) + share if decoding else 0.0
-        for seq in decoding:
-            if seq.request.request_id not in self._decoding:
-                continue  # released mid-step (cancelled)
-            seq.decode_gpu_s += per_sequence
+            before = seq.computed
+            computed = seq.computed = before + n
+            first_token = seq.first_token
+            if first_token is not None and not first_token.done():
+                seq.prefill_gpu_s += share
+            else:
+                seq.decode_gpu_s += share
+            if n > 1 or not seq.decoding:
+                stats.prefill_tokens += n
+            if before < seq.prompt_len:
+                self.blocks.mark_computed(seq.request.request_id, computed)
+            if computed < seq.prompt_len + seq.generated:
+                continue  # a prefill chunk short of the prompt's end
+            token = self._token(seq.seed, seq.generated)
             seq.generated += 1
-            finished = seq.generated >= seq.request.max_tokens
-            seq.steps.put_nowait(DecodeStep([self._next_token(seq)], "length" if finished else None))
-            if finished:
-                del self._decoding[seq.request.request_id]
+            emitted += 1
+            if not seq.decoding:
+                # A prompt's prefill is done: its first token; it waits for decode() or release().
+                seq.state = "idle"
+                any_done = True
+                if first_token is not None and not first_token.done():
+                    first_token.set_result(token)
+                continue
+            if seq.generated >= seq.request.max_tokens:
+                seq.state = "done"
+                any_done = True
+                seq.steps.put(token, "length")
+            else:
+                seq.steps.put(token, None)
+        if any_done:
+            self._running = [s for s in self._running if s.state == "running"]
+        stats.generated_tokens += emitted
         if step_time > 0:
-            rate = len(decoding) / step_time
-            self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * rate
+            self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * emitted / step_time
 
-    def _next_token(self, seq: _Sequence) -> int:
-        return seq.rng.choice(self.tokenizer.word_ids)
+    def _token(self, seed: int, position: int) -> int:
+        """The output token at `position` (0: the first) of a sequence with this seed."""
+        return self._words[_mix64(seed ^ (position * 0x9E3779B97F4A7C15 & _MASK64)) % len(self._words)]

@@ -1,0 +1,485 @@
+"""The hf engine with real torch: prefix reuse, KV hand-off between processes, batched decoding,
+GPU-time accounting and bad input. The model is a tiny random Llama (no download)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import msgspec  # noqa: E402
+
+from schemas.events import InferenceRequest, KvHandle  # noqa: E402
+from services.engines.base import EngineError, PrefillResult  # noqa: E402
+from services.engines.hf.engine import HfEngine  # noqa: E402
+from services.mesh.block_hash import chain_block_hashes  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "tiny-llama"
+BLOCK = 16
+VOCAB = 700  # prompt token ids drawn below this (the tiny model's vocabulary is the sim tokenizer's + EOS)
+
+
+def make_request(
+    request_id: str,
+    tokens: list[int],
+    *,
+    max_tokens: int = 8,
+    model: str = MODEL,
+    block_size: int = BLOCK,
+    temperature: float = 0.0,
+) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=request_id,
+        tenant="acme",
+        model=model,
+        api="nats",
+        prompt_tokens=tokens,
+        block_size=block_size,
+        block_hashes=chain_block_hashes(tokens, block_size, model=model),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        submitted_at=time.time(),
+    )
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+async def decode_all(engine: HfEngine, request_id: str, first: int) -> tuple[list[int], str | None]:
+    tokens, finish = [first], None
+    async for step in engine.decode(request_id, first):
+        tokens += step.token_ids
+        finish = step.finish_reason
+    return tokens, finish
+
+
+async def serve(engine: HfEngine, request: InferenceRequest) -> tuple[PrefillResult, list[int], str | None]:
+    """Aggregated serving: prefill then decode on the same engine."""
+    result = await engine.prefill(request)
+    tokens, finish = await decode_all(engine, request.request_id, result.first_token_id)
+    return result, tokens, finish
+
+
+async def started(engine: HfEngine) -> HfEngine:
+    await engine.start()
+    return engine
+
+
+@pytest.fixture
+async def engine():
+    running = await started(HfEngine(model=MODEL, block_size=BLOCK))
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def cpu_engine():
+    """For wall-time checks: a tiny model on a GPU is bound by kernel launches, not by tokens."""
+    running = await started(HfEngine(model=MODEL, block_size=BLOCK, device="cpu"))
+    yield running
+    await running.stop()
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+async def test_prefix_reuse_is_counted_correct_and_faster(cpu_engine: HfEngine) -> None:
+    engine = cpu_engine
+    rng = random.Random(7)
+    await serve(engine, make_request("warm-up", random_tokens(rng, 40)))
+    prefix = random_tokens(rng, 2048)
+    first, _, _ = await serve(engine, make_request("first", [*prefix, *random_tokens(rng, 16)], max_tokens=1))
+    assert first.cached_tokens == 0
+    stored = {h for event in engine.drain_kv_events() if event.kind == "stored" for h in event.block_hashes}
+    prefix_hashes = chain_block_hashes(prefix, BLOCK, model=MODEL)
+    assert set(prefix_hashes) <= stored
+    assert set(prefix_hashes) <= set(engine.cached_block_hashes())
+
+    cold_s, cached_s = [], []
+    for i in range(3):
+        cold = make_request(f"cold-{i}", random_tokens(rng, 2048 + 16), max_tokens=1)
+        t0 = time.perf_counter()
+        result = await engine.prefill(cold)
+        cold_s.append(time.perf_counter() - t0)
+        engine.release(cold.request_id)
+        assert result.cached_tokens == 0
+
+        computed = engine.stats.prefill_tokens_computed
+        warm = make_request(f"warm-{i}", [*prefix, *random_tokens(rng, 16)], max_tokens=1)
+        t0 = time.perf_counter()
+        result = await engine.prefill(warm)
+        cached_s.append(time.perf_counter() - t0)
+        engine.release(warm.request_id)
+        assert result.cached_tokens == 2048
+        assert engine.stats.prefill_tokens_computed - computed == 16  # only the new tokens
+
+    cold_ms, cached_ms = statistics.median(cold_s) * 1000, statistics.median(cached_s) * 1000
+    print(f"prefill of 2064 tokens: cold {cold_ms:.1f} ms, 2048 cached {cached_ms:.1f} ms")
+    assert cached_ms < 0.6 * cold_ms
+
+    # The reused KV is the real thing: same output as a fresh engine computing everything.
+    prompt = [*prefix, *random_tokens(rng, 5)]
+    reused, tokens, _ = await serve(engine, make_request("reuse", prompt, max_tokens=12))
+    assert reused.cached_tokens == 2048
+    fresh = await started(HfEngine(model=MODEL, block_size=BLOCK, device="cpu"))
+    try:
+        cold_result, cold_tokens, _ = await serve(fresh, make_request("reuse", prompt, max_tokens=12))
+    finally:
+        await fresh.stop()
+    assert cold_result.cached_tokens == 0
+    assert tokens == cold_tokens
+
+
+async def test_fully_cached_prompt_still_computes_its_last_token(engine: HfEngine) -> None:
+    prompt = random_tokens(random.Random(3), 64)  # exactly 4 blocks
+    _, tokens, _ = await serve(engine, make_request("a", prompt))
+    again, tokens_again, _ = await serve(engine, make_request("b", prompt))
+    assert again.cached_tokens == 63
+    assert tokens_again == tokens
+
+
+async def test_lru_eviction_emits_removed_and_keeps_the_shared_head() -> None:
+    # 8 blocks of 16 tokens in all.
+    engine = await started(HfEngine(model=MODEL, block_size=BLOCK, kv_cache_tokens=8 * BLOCK))
+    try:
+        rng = random.Random(5)
+        a, b = random_tokens(rng, 64), random_tokens(rng, 64)
+        a_hashes, b_hashes = (chain_block_hashes(t, BLOCK, model=MODEL) for t in (a, b))
+        await serve(engine, make_request("a", a, max_tokens=1))
+        assert engine.snapshot().kv_blocks_used == 0 and engine.snapshot().kv_blocks_cached == 4
+        await serve(engine, make_request("b", b, max_tokens=1))  # 5 blocks: evicts a's last one
+        events = engine.drain_kv_events()
+        assert [(e.kind, list(e.block_hashes)) for e in events] == [
+            ("stored", a_hashes),
+            ("removed", [a_hashes[-1]]),
+            ("stored", b_hashes),
+        ]
+        assert sorted(engine.cached_block_hashes()) == sorted(a_hashes[:3] + b_hashes)
+        result, _, _ = await serve(engine, make_request("a2", a, max_tokens=1))
+        assert result.cached_tokens == 48
+        with pytest.raises(EngineError, match="more KV blocks"):
+            await engine.prefill(make_request("huge", random_tokens(rng, 130), max_tokens=1))
+    finally:
+        await engine.stop()
+
+
+# ---------------------------------------------------------------- disaggregated serving
+
+PREFILL_WORKER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import msgspec
+    from schemas.events import InferenceRequest
+    from services.engines.hf.engine import HfEngine
+    from services.mesh.bus import Bus
+
+    async def main(url, raw):
+        request = msgspec.json.decode(raw, type=InferenceRequest)
+        engine = HfEngine(model=request.model, block_size=request.block_size)
+        await engine.start()
+        result = await engine.prefill(request)
+        payload = await engine.export_kv(request.request_id)
+        engine.release(request.request_id)
+        await engine.stop()
+        bus = await Bus.connect(url, "hf-prefill-test")
+        name = request.request_id + "-prefill-proc"
+        await (await bus.kv_objects()).put(name, payload)
+        await bus.close()
+        print(json.dumps({"first_token_id": result.first_token_id, "object_name": name,
+                          "num_tokens": result.kv.num_tokens, "kv_bytes": len(payload)}))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_kv_hand_off_between_processes_over_nats_object_store(bus, nats_server) -> None:
+    rng = random.Random(11)
+    request = make_request("disagg-1", random_tokens(rng, 300), max_tokens=24)
+
+    # Prefill worker: another OS process, shipping the KV through the JetStream Object Store.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        PREFILL_WORKER,
+        nats_server.url,
+        msgspec.json.encode(request).decode(),
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=150)
+    assert process.returncode == 0, err.decode()[-3000:]
+    handed = msgspec.json.decode(out.strip().splitlines()[-1])
+
+    # Decode worker: this process.
+    payload = (await (await bus.kv_objects()).get(handed["object_name"])).data
+    kv = KvHandle(
+        source_worker="prefill-proc",
+        num_tokens=handed["num_tokens"],
+        block_hashes=request.block_hashes,
+        kv_bytes=handed["kv_bytes"],
+        object_name=handed["object_name"],
+    )
+    decoder = await started(HfEngine(model=MODEL, block_size=BLOCK))
+    aggregated = await started(HfEngine(model=MODEL, block_size=BLOCK))
+    try:
+        seconds = await decoder.import_kv(request, kv, payload)
+        assert seconds >= 0
+        # Imported full blocks join the decode worker's prefix cache.
+        assert set(request.block_hashes) <= set(decoder.cached_block_hashes())
+        disagg_tokens, disagg_finish = await decode_all(decoder, request.request_id, handed["first_token_id"])
+        _, agg_tokens, agg_finish = await serve(aggregated, request)
+    finally:
+        await decoder.stop()
+        await aggregated.stop()
+    assert disagg_tokens == agg_tokens
+    assert len(agg_tokens) == 24 and disagg_finish == agg_finish == "length"
+
+
+async def test_sampled_decode_after_import_matches_aggregated() -> None:
+    rng = random.Random(13)
+    request = make_request("sampled", random_tokens(rng, 90), max_tokens=16, temperature=0.9)
+    prefiller, decoder, aggregated = [
+        await started(HfEngine(model=MODEL, block_size=BLOCK)) for _ in range(3)
+    ]
+    try:
+        result = await prefiller.prefill(request)
+        payload = await prefiller.export_kv(request.request_id)
+        prefiller.release(request.request_id)
+        assert payload is not None
+        await decoder.import_kv(request, result.kv, payload)
+        tokens, _ = await decode_all(decoder, request.request_id, result.first_token_id)
+        _, agg_tokens, _ = await serve(aggregated, request)
+        _, greedy_tokens, _ = await serve(
+            aggregated, make_request("greedy", request.prompt_tokens, max_tokens=16)
+        )
+    finally:
+        for e in (prefiller, decoder, aggregated):
+            await e.stop()
+    assert tokens == agg_tokens
+    assert tokens != greedy_tokens  # it did sample
+
+
+# ---------------------------------------------------------------- batching and accounting
+
+
+async def test_concurrent_decodes_advance_together_in_one_forward_pass(engine: HfEngine) -> None:
+    rng = random.Random(17)
+    requests = [
+        make_request(f"alone-{i}", random_tokens(rng, n), max_tokens=24)
+        for i, n in enumerate((9, 40, 75, 130))
+    ]
+    alone = [(await serve(engine, r))[1:] for r in requests]
+
+    steps, tokens = engine.stats.decode_steps, engine.stats.decode_tokens
+    together = [msgspec.structs.replace(r, request_id=f"together-{i}") for i, r in enumerate(requests)]
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(serve(engine, r) for r in together))
+    elapsed = time.perf_counter() - t0
+    steps, tokens = engine.stats.decode_steps - steps, engine.stats.decode_tokens - tokens
+    generated = sum(len(out) for _, out, _ in results)
+    print(f"4 requests: {steps} batched steps for {tokens} decode tokens, {generated / elapsed:.0f} tokens/s")
+    # One decode forward per token after the first (a sampled EOS takes a step but is not streamed).
+    assert tokens == sum(len(out) - 1 + (finish == "stop") for _, out, finish in results)
+    assert steps < tokens / 2
+    assert engine.stats.max_batch == 4
+    # Batching (left padding, per-row positions) does not change what each request generates.
+    assert [r[1:] for r in results] == alone
+    for r in together:
+        prefill_s, decode_s = engine.gpu_seconds(r.request_id)
+        assert prefill_s > 0 and decode_s > 0
+
+
+async def test_gpu_seconds_split_into_prefill_and_decode(engine: HfEngine) -> None:
+    request = make_request("gpu", random_tokens(random.Random(19), 200), max_tokens=6)
+    result = await engine.prefill(request)
+    assert result.gpu_seconds > 0
+    assert engine.gpu_seconds("gpu") == (result.gpu_seconds, 0.0)
+    tokens, finish = await decode_all(engine, "gpu", result.first_token_id)
+    assert len(tokens) == 6 and finish == "length"
+    prefill_s, decode_s = engine.gpu_seconds("gpu")
+    assert prefill_s == result.gpu_seconds and decode_s > 0
+    assert engine.gpu_seconds("gpu") == (0.0, 0.0)  # reported once released
+    snap = engine.snapshot()
+    assert snap.kv_blocks_used == 0 and snap.running == 0 and snap.tokens_per_s > 0
+
+
+async def test_forward_passes_run_off_the_event_loop(cpu_engine: HfEngine) -> None:
+    engine = cpu_engine
+    rng = random.Random(23)
+    await serve(engine, make_request("warm", random_tokens(rng, 20), max_tokens=1))
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    t0 = time.perf_counter()
+    await engine.prefill(make_request("long", random_tokens(rng, 3500), max_tokens=1))
+    elapsed = time.perf_counter() - t0
+    done.set()
+    await ticker
+    engine.release("long")
+    assert len(gaps) >= 10
+    assert max(gaps) < elapsed / 3
+
+
+async def test_eos_ends_with_stop(engine: HfEngine) -> None:
+    prompt = random_tokens(random.Random(29), 50)
+    _, tokens, finish = await serve(engine, make_request("free", prompt, max_tokens=20))
+    assert finish == "length" and len(tokens) == 20
+    k = next(i for i in range(1, 20) if tokens[i] not in tokens[:i])
+    stopper = await started(HfEngine(model=MODEL, block_size=BLOCK, eos_token_ids={tokens[k]}))
+    try:
+        _, stopped, finish = await serve(stopper, make_request("stops", prompt, max_tokens=20))
+    finally:
+        await stopper.stop()
+    assert finish == "stop"
+    assert stopped == tokens[:k]  # the EOS token itself is not streamed
+
+
+# ---------------------------------------------------------------- loading
+
+
+async def test_loads_a_local_model_directory(tmp_path: Path) -> None:
+    tiny = HfEngine(model=MODEL, block_size=BLOCK)
+    tiny.lm.model.save_pretrained(tmp_path)  # no tokenizer files: the sim tokenizer serves
+    loaded = await started(HfEngine(model="saved", model_path=str(tmp_path), block_size=BLOCK))
+    await tiny.start()
+    try:
+        assert loaded.info.engine == "hf" and loaded.info.gpu_type == tiny.info.gpu_type
+        prompt = random_tokens(random.Random(31), 33)
+        _, from_dir, _ = await serve(loaded, make_request("d", prompt, model="saved"))
+        _, from_seed, _ = await serve(tiny, make_request("s", prompt))
+        assert from_dir == from_seed
+        assert loaded.detokenize(from_dir) == tiny.detokenize(from_seed)
+    finally:
+        await loaded.stop()
+        await tiny.stop()
+
+
+def test_factory_builds_the_hf_engine() -> None:
+    from services.engines.factory import ENGINES, make_engine
+    from services.mesh.config import MeshConfig, ModelConfig
+
+    config = MeshConfig(
+        block_size=32,
+        models=[ModelConfig(name="small", max_context_tokens=1024)],
+        tenants={},
+        gpu_prices_per_hour={},
+    )
+    built = make_engine({"engine": "hf"}, config)
+    assert "hf" in ENGINES
+    assert isinstance(built, HfEngine)
+    assert (built.info.engine, built.info.model, built.info.block_size) == ("hf", "small", 32)
+    assert built.max_context_tokens == 1024 and built.info.kv_blocks_total > 0
+    with pytest.raises(EngineError, match="cannot load model"):
+        make_engine({"engine": "hf", "model_path": "/nonexistent/model-dir"}, config)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+async def test_bad_requests_fail_alone(engine: HfEngine) -> None:
+    rng = random.Random(37)
+    cases = {
+        "context": make_request("too-long", random_tokens(rng, 4000), max_tokens=200),
+        "not loaded here": make_request("other-model", random_tokens(rng, 10), model="llama-3-8b"),
+        "block size": make_request("bs", random_tokens(rng, 40), block_size=8),
+        "vocabulary": make_request("oov", [1, 2, 10**6]),
+        "block hashes": msgspec.structs.replace(
+            make_request("hashes", random_tokens(rng, 40)), block_hashes=[1, 2]
+        ),
+    }
+    for message, request in cases.items():
+        with pytest.raises(EngineError, match=message) as raised:
+            await engine.prefill(request)
+        assert raised.value.code == "invalid"
+    with pytest.raises(EngineError, match="cannot load model"):
+        HfEngine(model="missing", model_path="/nonexistent/model-dir")
+    # The engine goes on serving, and nothing leaked.
+    _, tokens, finish = await serve(engine, make_request("fine", random_tokens(rng, 30), max_tokens=5))
+    assert len(tokens) == 5 and finish == "length"
+    assert engine.snapshot().kv_blocks_used == 0
+
+
+async def test_kv_that_does_not_fit_is_refused(engine: HfEngine) -> None:
+    rng = random.Random(41)
+    prompt = random_tokens(rng, 70)
+    request = make_request("src", prompt, max_tokens=6)
+    result = await engine.prefill(request)
+    payload = await engine.export_kv("src")
+    engine.release("src")
+    assert payload is not None
+    other = make_request("other", random_tokens(rng, 70), max_tokens=6)
+
+    importer = await started(HfEngine(model=MODEL, block_size=BLOCK))
+    bs8 = await started(HfEngine(model=MODEL, block_size=8))
+    deeper = await started(HfEngine(model=MODEL, block_size=BLOCK, tiny_overrides={"num_hidden_layers": 3}))
+    try:
+        r8 = make_request("bs8", prompt, block_size=8)
+        await bs8.prefill(r8)
+        payload8 = await bs8.export_kv("bs8")
+        assert payload8 is not None
+        bad: list[tuple[HfEngine, InferenceRequest, KvHandle, bytes | None, str]] = [
+            (importer, request, result.kv, payload[: len(payload) // 2], "corrupt"),
+            (importer, request, result.kv, b"\x00" * 7, "not a KV file"),
+            (importer, request, result.kv, b"garbage!" * 20, "corrupt"),
+            (importer, request, result.kv, None, "needs the KV bytes"),
+            (
+                importer,
+                request,
+                msgspec.structs.replace(result.kv, num_tokens=69),
+                payload,
+                "covers 69 tokens",
+            ),
+            (
+                importer,
+                other,
+                msgspec.structs.replace(result.kv, block_hashes=other.block_hashes),
+                payload,
+                "different prompt",
+            ),
+            (importer, make_request("src", prompt[:50]), result.kv, payload, "covers 70 tokens"),
+            (importer, request, result.kv, payload8, "block size is 8"),
+            (deeper, request, result.kv, payload, "different build"),
+        ]
+        for target, req, kv, data, message in bad:
+            with pytest.raises(EngineError, match=message) as raised:
+                await target.import_kv(req, kv, data)
+            assert raised.value.code == "invalid"
+            assert target.snapshot().kv_blocks_used == 0
+        # The good bytes still import and decode, on the same engine that refused the bad ones.
+        await importer.import_kv(request, result.kv, payload)
+        tokens, finish = await decode_all(importer, "src", result.first_token_id)
+        assert len(tokens) == 6 and finish == "length"
+        with pytest.raises(EngineError, match="no KV"):
+            await engine.export_kv("src")
+        await importer.import_kv(request, result.kv, payload)
+        with pytest.raises(EngineError, match="vocabulary"):
+            await decode_all(importer, "src", 10**6)
+        assert importer.snapshot().kv_blocks_used == 0
+    finally:
+        for e in (importer, bs8, deeper):
+            await e.stop()
