@@ -11,6 +11,7 @@ delivery whose parent is the context the message was created in.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -140,7 +141,12 @@ def traces_dir(data_dir: Path) -> Path:
     return Path(data_dir) / "traces"
 
 
+@functools.cache
 def tracer(name: str = "ripplemesh") -> trace.Tracer:
+    """The process's tracer; cached, because get_tracer builds a new one (not cheap) per call.
+
+    Before `setup_tracing` the API hands out a proxy that follows the provider installed later.
+    """
     return trace.get_tracer(name)
 
 
