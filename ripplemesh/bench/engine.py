@@ -177,7 +177,8 @@ def run_engine_bench(
     maximum-throughput run of a published case (the published runs used 3,000; 0 skips them).
     """
     build = factory or target_factory(engine)
-    roofline = _roofline(gpu, model, tensor_parallel)
+    # Only the sim engine models the GPU profile; another engine runs on whatever device it has.
+    roofline = _roofline(gpu, model, tensor_parallel) if engine == "sim" else None
     cases = [p for p in PUBLISHED if engine == "sim" and p.gpu == gpu and _same_family(model, p)]
 
     with console.status(f"benchmarking the {engine} engine ({model} on {gpu})"):
@@ -194,6 +195,8 @@ def run_engine_bench(
         ]
 
     where = f"{tensor_parallel}x {gpu}" if tensor_parallel != 1 else gpu
+    if engine != "sim":
+        where = "this machine's device"
     table = Table(
         title=f"{engine} engine: {model} on {where}, prompts of {prompt_tokens} tokens, "
         f"{output_tokens} out ({clock} clock)"
