@@ -307,6 +307,23 @@ def bench_engine(
     )
 
 
+@bench.command("router")
+@click.option("--workers", default=1000, show_default=True, help="Workers in the index.")
+@click.option(
+    "--blocks",
+    default=10_000_000,
+    show_default=True,
+    help="Indexed (worker, block) pairs, all workers together.",
+)
+@click.option("--requests", "count", default=5000, show_default=True, help="Requests to time.")
+@click.option("--seed", default=7, show_default=True)
+def bench_router(workers: int, blocks: int, count: int, seed: int) -> None:
+    """The router's KV index: each worker's cached prefix per request, p50/p99 and memory."""
+    from ripplemesh.bench.router import run_router_bench
+
+    run_router_bench(workers=workers, blocks=blocks, requests=count, seed=seed, console=Console())
+
+
 @bench.command("ledger")
 @click.option("--events", default=20_000, show_default=True, help="Lifecycle events to record.")
 @click.option("--batch", default=256, show_default=True, help="Events per transaction (group commit).")

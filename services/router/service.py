@@ -1,5 +1,6 @@
-"""Router: keep a live view of the workers (WORKERS KV bucket), place each admitted request
-(policy.py), send it to its prefill worker, and record the decision as an event and a span."""
+"""Router: keep a live view of the workers (WORKERS KV bucket) and of what each caches (the KV
+index, kv_index.py, kept current by kv_sync.py), place each admitted request (policy.py), send it
+to its prefill worker, and record the decision as an event and a span."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prometheus_client import Counter, Gauge
 from starlette.routing import BaseRoute
 
 from schemas.events import (
+    InferenceRequest,
     PrefillWork,
     RequestAdmitted,
     RequestRouted,
@@ -25,6 +27,8 @@ from services.mesh.consumer import Delivery
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
+from services.router.kv_index import KvIndex, predicted_cached_tokens
+from services.router.kv_sync import KvSync
 from services.router.policy import NoPlacement, RouterState, WorkerView, place
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,8 @@ PLACEMENTS = Counter("ripplemesh_router_placements_total", "Placements by mode."
 LIVE_WORKERS = Gauge("ripplemesh_router_live_workers", "Live workers in the router's view.")
 # At start-up workers may not have sent their first heartbeat yet: wait this long for one.
 WAIT_FOR_WORKERS_S = 5.0
+# Candidates whose cached prefix the decision span lists (the longest first).
+SPAN_KV_CANDIDATES = 16
 
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 
@@ -59,9 +65,14 @@ class RouterService:
         self.state = RouterState()
         self.runtime: Runtime | None = None
         self._workers_changed = asyncio.Event()
+        self.kv_index: KvIndex | None = None
+        self.kv_sync: KvSync | None = None
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.kv_index = KvIndex(runtime.config.block_size)
+        self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
+        runtime.spawn(self.kv_sync.run(), "kv-sync")
         runtime.spawn(self._watch_workers(), "watch-workers")
         await runtime.consume(ROUTER_CONSUMER, RequestAdmitted, self._on_admitted, max_inflight=256)
 
@@ -72,7 +83,10 @@ class RouterService:
         return []
 
     def health(self) -> dict[str, Any]:
-        return {"workers": len(live_workers_any(self.state))}
+        health: dict[str, Any] = {"workers": len(live_workers_any(self.state))}
+        if self.kv_sync is not None:
+            health["kv_index"] = self.kv_sync.health()
+        return health
 
     async def _watch_workers(self) -> None:
         assert self.runtime is not None
@@ -89,6 +103,8 @@ class RouterService:
                         continue  # end of the initial values, or a delete marker
                     if entry.operation in ("DEL", "PURGE"):
                         self.state.forget(entry.key)
+                        if self.kv_sync is not None:
+                            self.kv_sync.forget(entry.key)
                         continue
                     try:
                         worker = _worker_decoder.decode(entry.value)
@@ -96,6 +112,8 @@ class RouterService:
                         log.warning("bad worker state ignored", extra={"key": entry.key, "error": str(exc)})
                         continue
                     self.state.observe(view_of(worker))
+                    if self.kv_sync is not None:
+                        self.kv_sync.observe(worker)
                     LIVE_WORKERS.set(len(live_workers_any(self.state)))
                     self._workers_changed.set()
             except asyncio.CancelledError:
@@ -142,6 +160,7 @@ class RouterService:
                     "ripple.router.decode_load": decision.decode_load,
                 }
             )
+            self._record_cached_prefix(span, request, decision.prefill_worker)
         now = time.time()
         PLACEMENTS.labels(decision.mode).inc()
         await self.runtime.bus.publish(
@@ -168,6 +187,27 @@ class RouterService:
                 predicted_load=decision.decode_load,
             ),
         )
+
+    def _record_cached_prefix(self, span: Any, request: InferenceRequest, prefill_worker: str) -> None:
+        """The prefix each candidate caches, from the KV index, on the decision span: the chosen
+        prefill worker's as predicted cached tokens, and the longest few as ``worker=tokens``."""
+        if self.kv_index is None:
+            return
+        try:
+            matched = self.kv_index.overlaps(request.block_hashes)
+            size, prompt = self.kv_index.block_size, len(request.prompt_tokens)
+            span.set_attribute(
+                "ripple.router.predicted_cached_tokens",
+                predicted_cached_tokens(matched.get(prefill_worker, 0), prompt, size),
+            )
+            live = {w.worker_id for w in live_workers_any(self.state) if w.model == request.model}
+            best = sorted(((n, w) for w, n in matched.items() if w in live), reverse=True)
+            span.set_attribute(
+                "ripple.router.cached_tokens_by_worker",
+                [f"{w}={predicted_cached_tokens(n, prompt, size)}" for n, w in best[:SPAN_KV_CANDIDATES]],
+            )
+        except Exception as exc:  # the index is advisory: never fail a placement over it
+            log.warning("KV prefix lookup failed", extra={"error": repr(exc)})
 
     async def _reject(self, event: RequestAdmitted, decision: NoPlacement) -> None:
         assert self.runtime is not None

@@ -1,0 +1,475 @@
+"""The router's global KV index: which worker caches which blocks, and how long a prefix of a request
+each worker already holds. Pure: no I/O, no clock; `kv_sync.py` feeds it from the bus.
+
+Structure
+- ``_holders``: block hash -> bitmask of the worker slots that cache it (a Python int; one bit per
+  worker slot, slots reused when workers go). A block one worker holds points to that slot's
+  precomputed single-bit int, so the common case costs a dict entry and no new object.
+- Each worker: its set of block hashes (for counts, "cleared", dumps and dropping it), the batch
+  sequence number its blocks are exactly as of, and the batches held back while it resyncs.
+
+Matching (`overlaps`) walks the request's chained block hashes (block i's hash covers block i-1, so
+the list is a path) with the set of workers that matched every block so far, ANDing in each block's
+holders until the set empties. A worker that holds block i+1 but not block i (an eviction in the
+middle of a chain) leaves the set at i: its prefix stops at the first missing block. The cost is one
+dict lookup and a few operations on a one-bit-per-worker int per block of the longest matched
+prefix (once one worker is left, a set lookup per block), plus putting each matching worker in the
+result: groups of workers that leave the match together, where a shared prefix ends, are turned
+into ids once and cached by mask, so hot shared prefixes cost a C-level dict update per group.
+
+Sequencing (per worker; `KvEvents.seq` counts batches from 1 with no gaps, `KvDump.seq` is the
+batch a dump is exactly as of):
+- applied: the next batch, applied.
+- duplicate: a batch at or below the one the worker's blocks are as of: already reflected; ignored.
+- gap: a batch past the next one (batches lost or reordered): held back, and the worker needs a
+  dump. Its blocks stay queryable, exactly as of its last applied batch (`seq`), flagged
+  `synced=False`; a late batch that fills the hole resumes it without a dump.
+- stale: a batch for a worker that awaits a dump: held back (up to `max_pending`); when the dump
+  comes, held batches after the dump's seq are applied on top of it. A dump older than the blocks
+  the index holds is stale too, and ignored.
+- mismatch: a block size other than the mesh's or a model other than the worker's: the worker's
+  blocks are dropped (they cannot be trusted) and it needs a dump. A dump with a mismatched block
+  size leaves the worker out of the index (`excluded`) until a dump that matches.
+- unknown: a batch from a worker the index does not track: it starts tracking it, holds the batch
+  and the worker needs a dump (discovery).
+
+So the index never answers from state it cannot vouch for: every tracked worker's blocks are exactly
+its cache as of `seq(worker)`, and `synced(worker)` says whether later batches are known missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from itertools import compress, repeat
+from typing import Protocol
+
+from schemas.events import KvEvents
+
+__all__ = ["KvIndex", "Outcome", "PrefixView", "predicted_cached_tokens"]
+
+# Masks with more set bits than this have their worker ids cached (`KvIndex._groups`).
+_FEW_BITS = 4
+# Masks with more set bits than this are turned into worker ids by one C-level pass over the slots.
+_DENSE_BITS = 64
+_BIT_CHARS = bytes.maketrans(b"01", b"\x00\x01")
+
+
+class PrefixView(Protocol):
+    """What a placement policy needs from a KV index (the router's or a simulator's)."""
+
+    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int: ...
+
+
+class Outcome(StrEnum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    GAP = "gap"
+    STALE = "stale"
+    MISMATCH = "mismatch"
+    UNKNOWN = "unknown"
+
+
+class DumpLike(Protocol):
+    """A worker's full cache contents as of batch `seq` (`schemas.events.KvDump`)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def block_hashes(self) -> list[int]: ...
+
+
+def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """The prompt tokens a prefill would find cached: whole matched blocks, but at least one token
+    is always computed (the engines' rule: the last prompt token yields the first output token)."""
+    return max(0, min(matched_blocks * block_size, prompt_tokens - 1))
+
+
+@dataclass(slots=True)
+class _Worker:
+    worker_id: str
+    slot: int
+    bit: int
+    blocks: set[int] = field(default_factory=set)
+    # The batch `blocks` are exactly as of; None until a dump gives a base.
+    seq: int | None = None
+    synced: bool = False
+    model: str | None = None
+    # The last dump's block size was not the mesh's: not indexed until one that is.
+    excluded: bool = False
+    pending: dict[int, KvEvents] = field(default_factory=dict)
+
+
+class KvIndex:
+    """Block hash -> workers, per-worker sequencing and resync. See the module docstring."""
+
+    def __init__(self, block_size: int, *, max_pending: int = 1024, group_cache_size: int = 8192):
+        if block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        self.block_size = block_size
+        self.max_pending = max_pending
+        self._holders: dict[int, int] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._slot_ids: list[str | None] = []
+        self._slot_bits: list[int] = []
+        self._free_slots: list[int] = []
+        self._total_blocks = 0
+        # Worker ids by slot mask, for groups of workers that leave a match together; cleared
+        # whenever a slot changes hands.
+        self.group_cache_size = group_cache_size
+        self._groups: dict[int, tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------ queries
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return list(self._workers)
+
+    @property
+    def total_blocks(self) -> int:
+        """Indexed (worker, block) pairs."""
+        return self._total_blocks
+
+    @property
+    def distinct_blocks(self) -> int:
+        return len(self._holders)
+
+    def block_count(self, worker_id: str) -> int:
+        worker = self._workers.get(worker_id)
+        return 0 if worker is None else len(worker.blocks)
+
+    def block_counts(self) -> dict[str, int]:
+        return {worker_id: len(w.blocks) for worker_id, w in self._workers.items()}
+
+    def seq(self, worker_id: str) -> int | None:
+        """The batch the worker's indexed blocks are exactly as of (None: no base yet)."""
+        worker = self._workers.get(worker_id)
+        return None if worker is None else worker.seq
+
+    def synced(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        return worker is not None and worker.synced
+
+    def excluded(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        return worker is not None and worker.excluded
+
+    def needs_dump(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        return worker is not None and not worker.synced
+
+    def pending(self, worker_id: str) -> int:
+        worker = self._workers.get(worker_id)
+        return 0 if worker is None else len(worker.pending)
+
+    def blocks_of(self, worker_id: str) -> frozenset[int]:
+        worker = self._workers.get(worker_id)
+        return frozenset() if worker is None else frozenset(worker.blocks)
+
+    def stats(self) -> dict[str, int]:
+        synced = sum(1 for w in self._workers.values() if w.synced)
+        return {
+            "workers": len(self._workers),
+            "synced": synced,
+            "resyncing": len(self._workers) - synced,
+            "blocks": self._total_blocks,
+            "distinct_blocks": len(self._holders),
+        }
+
+    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of `block_hashes` the worker caches (stops at the first miss)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return 0
+        blocks = worker.blocks
+        matched = 0
+        for block_hash in block_hashes:
+            if block_hash not in blocks:
+                break
+            matched += 1
+        return matched
+
+    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Every worker's matched prefix length in blocks; workers matching nothing are left out."""
+        n = len(block_hashes)
+        if not n:
+            return {}
+        holders = self._holders
+        mask = holders.get(block_hashes[0], 0)
+        if not mask:
+            return {}
+        result: dict[str, int] = {}
+        i = 1
+        while True:
+            if not mask & (mask - 1):
+                # One worker left: walk its own set (cheaper than a wide AND per block).
+                worker_id = self._slot_ids[mask.bit_length() - 1]
+                assert worker_id is not None
+                blocks = self._workers[worker_id].blocks
+                while i < n and block_hashes[i] in blocks:
+                    i += 1
+                result[worker_id] = i
+                return result
+            while i < n:
+                narrowed = mask & holders.get(block_hashes[i], 0)
+                if narrowed != mask:
+                    break
+                i += 1
+            else:
+                self._emit(mask, n, result)
+                return result
+            self._emit(mask ^ narrowed, i, result)
+            if not narrowed:
+                return result
+            mask = narrowed
+            i += 1
+
+    def _emit(self, mask: int, depth: int, result: dict[str, int]) -> None:
+        """result[worker] = depth for every worker slot set in `mask`."""
+        if mask.bit_count() <= _FEW_BITS:
+            ids = self._slot_ids
+            while mask:
+                low = mask & -mask
+                worker_id = ids[low.bit_length() - 1]
+                if worker_id is not None:
+                    result[worker_id] = depth
+                mask ^= low
+            return
+        # Many workers leave the match together where a shared prefix ends; requests on the same
+        # hot prefix meet the same masks, so their ids are kept (valid while slots stay put).
+        group = self._groups.get(mask)
+        if group is None:
+            group = self._ids_of(mask)
+            if self.group_cache_size:
+                if len(self._groups) >= self.group_cache_size:
+                    self._groups.clear()
+                self._groups[mask] = group
+        result.update(zip(group, repeat(depth)))
+
+    def clear_group_cache(self) -> None:
+        self._groups.clear()
+
+    def _ids_of(self, mask: int) -> tuple[str, ...]:
+        ids = self._slot_ids
+        if mask.bit_count() > _DENSE_BITS:
+            # One pass in C over every slot beats a Python step per set bit.
+            selected = bin(mask)[:1:-1].encode("ascii").translate(_BIT_CHARS)
+            return tuple(i for i in compress(ids, selected) if i is not None)
+        found: list[str] = []
+        while mask:
+            low = mask & -mask
+            worker_id = ids[low.bit_length() - 1]
+            if worker_id is not None:
+                found.append(worker_id)
+            mask ^= low
+        return tuple(found)
+
+    # ------------------------------------------------------------ changes
+
+    def apply(self, events: KvEvents) -> Outcome:
+        """One batch of a worker's cache changes; see the module docstring for the outcomes."""
+        worker = self._workers.get(events.worker_id)
+        if worker is None:
+            worker = self._add_worker(events.worker_id)
+            if events.block_size != self.block_size:
+                return Outcome.MISMATCH
+            self._hold(worker, events)
+            return Outcome.UNKNOWN
+        if events.block_size != self.block_size or (
+            worker.model is not None and events.model != worker.model
+        ):
+            self._reset(worker, model=worker.model)
+            return Outcome.MISMATCH
+        if worker.seq is not None and events.seq <= worker.seq:
+            return Outcome.DUPLICATE
+        if worker.synced:
+            assert worker.seq is not None
+            if events.seq == worker.seq + 1:
+                self._apply_changes(worker, events)
+                worker.seq = events.seq
+                return Outcome.APPLIED
+            worker.synced = False
+            self._hold(worker, events)
+            return Outcome.GAP
+        self._hold(worker, events)
+        if worker.seq is None:
+            return Outcome.STALE
+        if not self._drain(worker):
+            return Outcome.MISMATCH
+        return Outcome.APPLIED if worker.seq >= events.seq else Outcome.STALE
+
+    def apply_dump(self, dump: DumpLike) -> Outcome:
+        """A worker's full contents as of `dump.seq`, then its held batches after that seq.
+
+        applied; stale (older than the blocks held: ignored); mismatch (block size or model).
+        """
+        worker = self._workers.get(dump.worker_id)
+        if worker is None:
+            worker = self._add_worker(dump.worker_id)
+        if dump.block_size != self.block_size:
+            self._reset(worker, model=worker.model)
+            worker.excluded = True
+            return Outcome.MISMATCH
+        if worker.seq is None and worker.model is not None and dump.model != worker.model:
+            # The worker announced another model (its heartbeat) than its cache reports.
+            self._reset(worker, model=worker.model)
+            worker.excluded = True
+            return Outcome.MISMATCH
+        if worker.seq is not None and dump.seq < worker.seq:
+            return Outcome.STALE
+        target = set(dump.block_hashes)
+        current = worker.blocks
+        for block_hash in [h for h in current if h not in target]:
+            self._remove(worker, block_hash)
+        for block_hash in target:
+            if block_hash not in current:
+                self._add(worker, block_hash)
+        worker.seq = dump.seq
+        worker.model = dump.model
+        worker.excluded = False
+        for seq in [s for s in worker.pending if s <= dump.seq]:
+            del worker.pending[seq]
+        if not self._drain(worker):
+            return Outcome.MISMATCH
+        return Outcome.APPLIED
+
+    def resync(self, worker_id: str, *, model: str | None = None) -> None:
+        """Start (or restart) tracking a worker from nothing: its blocks dropped, a dump needed.
+
+        For a worker seen for the first time, or a new incarnation of one (its process restarted).
+        """
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            worker = self._add_worker(worker_id)
+            worker.model = model
+            return
+        self._reset(worker, model=model)
+        worker.excluded = False
+        worker.pending.clear()
+
+    def drop_worker(self, worker_id: str) -> bool:
+        """Forget a worker (it died): its blocks leave the index and its slot is freed."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return False
+        self._clear(worker)
+        self._slot_ids[worker.slot] = None
+        self._free_slots.append(worker.slot)
+        self._groups.clear()
+        return True
+
+    # ------------------------------------------------------------ internals
+
+    def _add_worker(self, worker_id: str) -> _Worker:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._slot_ids[slot] = worker_id
+        else:
+            slot = len(self._slot_ids)
+            self._slot_ids.append(worker_id)
+            self._slot_bits.append(1 << slot)
+        worker = _Worker(worker_id=worker_id, slot=slot, bit=self._slot_bits[slot])
+        self._groups.clear()
+        self._workers[worker_id] = worker
+        return worker
+
+    def _reset(self, worker: _Worker, *, model: str | None) -> None:
+        self._clear(worker)
+        worker.seq = None
+        worker.synced = False
+        worker.model = model
+
+    def _hold(self, worker: _Worker, events: KvEvents) -> None:
+        worker.pending[events.seq] = events
+        if len(worker.pending) > self.max_pending:
+            del worker.pending[min(worker.pending)]
+
+    def _drain(self, worker: _Worker) -> bool:
+        """Apply held batches that continue the worker's base; synced again if none remain.
+
+        False when a held batch turned out to be for another model (the worker was reset)."""
+        assert worker.seq is not None
+        pending = worker.pending
+        while pending:
+            events = pending.pop(worker.seq + 1, None)
+            if events is None:
+                for seq in [s for s in pending if s <= worker.seq]:
+                    del pending[seq]
+                if not pending:
+                    break
+                worker.synced = False
+                return True
+            if events.model != worker.model:
+                self._reset(worker, model=worker.model)
+                pending.clear()
+                return False
+            self._apply_changes(worker, events)
+            worker.seq = events.seq
+        worker.synced = True
+        return True
+
+    def _apply_changes(self, worker: _Worker, events: KvEvents) -> None:
+        for change in events.changes:
+            if change.kind == "stored":
+                blocks = worker.blocks
+                for block_hash in change.block_hashes:
+                    if block_hash not in blocks:
+                        self._add(worker, block_hash)
+            elif change.kind == "removed":
+                for block_hash in change.block_hashes:
+                    self._remove(worker, block_hash)
+            else:
+                self._clear(worker)
+
+    def _add(self, worker: _Worker, block_hash: int) -> None:
+        worker.blocks.add(block_hash)
+        self._total_blocks += 1
+        mask = self._holders.get(block_hash)
+        self._holders[block_hash] = worker.bit if mask is None else mask | worker.bit
+
+    def _remove(self, worker: _Worker, block_hash: int) -> None:
+        blocks = worker.blocks
+        if block_hash not in blocks:
+            return
+        blocks.remove(block_hash)
+        self._total_blocks -= 1
+        mask = self._holders[block_hash] & ~worker.bit
+        if not mask:
+            del self._holders[block_hash]
+        elif not mask & (mask - 1):
+            self._holders[block_hash] = self._slot_bits[mask.bit_length() - 1]  # the shared int
+        else:
+            self._holders[block_hash] = mask
+
+    def _clear(self, worker: _Worker) -> None:
+        holders, bit, bits = self._holders, worker.bit, self._slot_bits
+        for block_hash in worker.blocks:
+            mask = holders[block_hash] & ~bit
+            if not mask:
+                del holders[block_hash]
+            elif not mask & (mask - 1):
+                holders[block_hash] = bits[mask.bit_length() - 1]
+            else:
+                holders[block_hash] = mask
+        self._total_blocks -= len(worker.blocks)
+        worker.blocks = set()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the block map and the per-worker sets disagree (tests)."""
+        rebuilt: dict[int, int] = {}
+        for worker in self._workers.values():
+            assert self._slot_ids[worker.slot] == worker.worker_id
+            for block_hash in worker.blocks:
+                rebuilt[block_hash] = rebuilt.get(block_hash, 0) | worker.bit
+        assert rebuilt == self._holders
+        assert self._total_blocks == sum(len(w.blocks) for w in self._workers.values())

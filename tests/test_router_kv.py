@@ -1,0 +1,392 @@
+"""The router's KV index kept current over real NATS: from workers' events and dumps, through lost,
+duplicated and malformed batches, unknown, silent, dead and restarted workers; and in the mesh, the
+router's decision span predicting the cached prefix the prefill then finds, also after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from prometheus_client import REGISTRY
+
+from ripplemesh.client import MeshClient
+from ripplemesh.launcher import Mesh
+from ripplemesh.traces import load_request_trace
+from schemas.events import KvCacheChange, KvDump, KvEvents, WorkerState, encode_event
+from schemas.subjects import kv_dump_subject, kv_subject
+from services.mesh.bus import Bus
+from services.router.kv_index import KvIndex
+from services.router.kv_sync import KvSync
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "llama-3-8b"
+BLOCK_SIZE = 16
+
+
+class FakeWorker:
+    """A worker's prefix-cache side as services/engines/host.py publishes it: numbered batches on
+    rmesh.kv.<worker>, and a dump responder that flushes pending changes first."""
+
+    def __init__(self, nc: NatsClient, worker_id: str, *, block_size: int = BLOCK_SIZE, respond: bool = True):
+        self.nc = nc
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.respond = respond
+        self.blocks: set[int] = set()
+        self.seq = 0
+        self.started_at = time.time()
+        self.dump_requests = 0
+        self._pending: list[KvCacheChange] = []
+        self._sub: Any = None
+
+    async def start(self) -> FakeWorker:
+        self._sub = await self.nc.subscribe(kv_dump_subject(self.worker_id), cb=self._on_dump)
+        await self.nc.flush()
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    def store(self, *hashes: int) -> None:
+        self.blocks.update(hashes)
+        self._pending.append(KvCacheChange(kind="stored", block_hashes=list(hashes)))
+
+    def remove(self, *hashes: int) -> None:
+        self.blocks.difference_update(hashes)
+        self._pending.append(KvCacheChange(kind="removed", block_hashes=list(hashes)))
+
+    def _batch(self) -> KvEvents | None:
+        if not self._pending:
+            return None
+        self.seq += 1
+        changes, self._pending = self._pending, []
+        return KvEvents(
+            event_id=f"{self.worker_id}-kv-{self.seq}",
+            occurred_at=time.time(),
+            worker_id=self.worker_id,
+            model=MODEL,
+            block_size=self.block_size,
+            seq=self.seq,
+            changes=changes,
+        )
+
+    async def flush(self, *, lose: bool = False) -> KvEvents | None:
+        batch = self._batch()
+        if batch is not None and not lose:
+            await self.nc.publish(kv_subject(self.worker_id), encode_event(batch))
+            await self.nc.flush()
+        return batch
+
+    async def _on_dump(self, msg: Msg) -> None:
+        self.dump_requests += 1
+        if not self.respond:
+            return
+        batch = self._batch()
+        dump = KvDump(
+            event_id=f"{self.worker_id}-dump-{time.monotonic_ns()}",
+            occurred_at=time.time(),
+            worker_id=self.worker_id,
+            model=MODEL,
+            block_size=self.block_size,
+            seq=self.seq,
+            block_hashes=sorted(self.blocks),
+        )
+        if batch is not None:
+            await self.nc.publish(kv_subject(self.worker_id), encode_event(batch))
+        await msg.respond(encode_event(dump))
+
+    def heartbeat(self, *, at: float | None = None) -> WorkerState:
+        now = time.time() if at is None else at
+        return WorkerState(
+            event_id=f"{self.worker_id}-{time.monotonic_ns()}",
+            occurred_at=now,
+            worker_id=self.worker_id,
+            role="prefill",
+            pool="test",
+            model=MODEL,
+            engine="fake",
+            gpu_type="H100",
+            price_per_hour=1.0,
+            block_size=self.block_size,
+            kv_blocks_total=1000,
+            kv_blocks_used=len(self.blocks),
+            kv_blocks_cached=len(self.blocks),
+            queue_depth=0,
+            running=0,
+            tokens_per_s=0.0,
+            started_at=self.started_at,
+        )
+
+
+def counted(metric: str, outcome: str) -> float:
+    return REGISTRY.get_sample_value(metric, {"outcome": outcome}) or 0.0
+
+
+async def eventually(predicate: Callable[[], object], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(0.02)
+
+
+def current(index: KvIndex, worker: FakeWorker) -> bool:
+    return index.synced(worker.worker_id) and index.blocks_of(worker.worker_id) == worker.blocks
+
+
+@pytest.fixture
+async def sync(bus: Bus) -> AsyncIterator[KvSync]:
+    kv_sync = KvSync(bus.nc, KvIndex(BLOCK_SIZE), dump_timeout_s=0.5, liveness_s=60.0)
+    task = asyncio.create_task(kv_sync.run())
+    await asyncio.wait_for(kv_sync.subscribed.wait(), 5)
+    yield kv_sync
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
+
+
+def worker_name(label: str) -> str:
+    return f"kvt-{label}-{uuid.uuid4().hex[:6]}"
+
+
+# ---------------------------------------------------------------- KvSync over NATS
+
+
+async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bus: Bus, sync: KvSync) -> None:
+    index = sync.index
+    worker = await FakeWorker(bus.nc, worker_name("a")).start()
+    # Blocks cached before the router knew the worker: they come from its dump (discovery).
+    worker.store(1, 2, 3)
+    await worker.flush(lose=True)
+    sync.observe(worker.heartbeat())
+    await eventually(lambda: current(index, worker))
+    assert index.seq(worker.worker_id) == 1 and worker.dump_requests >= 1
+
+    # (A mesh's router on the same server, if one runs, asks for dumps too: count only ours.)
+    applied_dumps = counted("ripplemesh_router_kv_dumps_total", "applied")
+    worker.store(4, 5)
+    await worker.flush()
+    await eventually(lambda: current(index, worker) and index.seq(worker.worker_id) == 2)
+
+    # A lost batch: the next one is a gap, and a dump brings the index back.
+    gaps = counted("ripplemesh_router_kv_events_total", "gap")
+    worker.remove(1)
+    await worker.flush(lose=True)
+    worker.store(6)
+    await worker.flush()
+    await eventually(lambda: current(index, worker) and index.seq(worker.worker_id) == worker.seq)
+    assert counted("ripplemesh_router_kv_events_total", "gap") >= gaps + 1
+    assert counted("ripplemesh_router_kv_dumps_total", "applied") >= applied_dumps + 1
+
+    # A duplicate, garbage, a batch on another worker's subject, a mismatched block size.
+    duplicates = counted("ripplemesh_router_kv_events_total", "duplicate")
+    invalid = counted("ripplemesh_router_kv_events_total", "invalid")
+    mismatches = counted("ripplemesh_router_kv_events_total", "mismatch")
+    worker.store(7)
+    batch = await worker.flush()
+    assert batch is not None
+    await bus.nc.publish(kv_subject(worker.worker_id), encode_event(batch))
+    await bus.nc.publish(kv_subject(worker.worker_id), b"{not json")
+    await bus.nc.publish(kv_subject(worker_name("other")), encode_event(batch))
+    wrong = KvEvents(
+        event_id="wrong",
+        occurred_at=time.time(),
+        worker_id=worker.worker_id,
+        model=MODEL,
+        block_size=BLOCK_SIZE * 2,
+        seq=worker.seq + 1,
+        changes=[KvCacheChange(kind="stored", block_hashes=[99])],
+    )
+    await bus.nc.publish(kv_subject(worker.worker_id), encode_event(wrong))
+    await bus.nc.flush()
+    await eventually(lambda: counted("ripplemesh_router_kv_events_total", "mismatch") >= mismatches + 1)
+    assert counted("ripplemesh_router_kv_events_total", "duplicate") >= duplicates + 1
+    assert counted("ripplemesh_router_kv_events_total", "invalid") >= invalid + 2
+    # The mismatch dropped the worker's blocks (they cannot be trusted) and resynced it.
+    await eventually(lambda: current(index, worker))
+    assert 99 not in index.blocks_of(worker.worker_id)
+    assert index.overlaps([1]) == {} and index.overlaps([2, 3, 4]) == {worker.worker_id: 3}
+    await worker.stop()
+
+
+async def test_unknown_silent_dead_and_restarted_workers(bus: Bus) -> None:
+    index = KvIndex(BLOCK_SIZE)
+    sync = KvSync(bus.nc, index, dump_timeout_s=0.3, liveness_s=0.6, unannounced_grace_s=0.8)
+    task = asyncio.create_task(sync.run())
+    await asyncio.wait_for(sync.subscribed.wait(), 5)
+    try:
+        # Events from a worker with no heartbeat: discovered by its dump, dropped after the grace.
+        stranger = await FakeWorker(bus.nc, worker_name("stranger")).start()
+        stranger.store(10, 11)
+        await stranger.flush()
+        await eventually(lambda: current(index, stranger))
+        await eventually(lambda: stranger.worker_id not in index, timeout_s=5)
+        stranger.store(12)
+        await stranger.flush()  # ignored: the router holds it for gone
+        await asyncio.sleep(0.2)
+        assert stranger.worker_id not in index
+
+        # A worker whose heartbeats stop: dropped after the liveness window.
+        worker = await FakeWorker(bus.nc, worker_name("b")).start()
+        worker.store(1, 2)
+        await worker.flush()
+        sync.observe(worker.heartbeat())
+        await eventually(lambda: current(index, worker))
+        await eventually(lambda: worker.worker_id not in index, timeout_s=5)
+        # It comes back (a fresh heartbeat): resynced from a dump.
+        sync.observe(worker.heartbeat())
+        await eventually(lambda: current(index, worker))
+
+        # Restarted: a new incarnation with an empty cache replaces the old blocks.
+        restarted = FakeWorker(bus.nc, worker.worker_id)
+        restarted.started_at = worker.started_at + 1.0
+        await worker.stop()
+        await restarted.start()
+        restarted.store(7)
+        await restarted.flush()  # seq 1 again: a duplicate for the old incarnation's index
+        sync.observe(restarted.heartbeat())
+        await eventually(lambda: current(index, restarted))
+        assert index.blocks_of(worker.worker_id) == {7}
+
+        # Its WORKERS entry deleted (it stopped): dropped at once.
+        sync.forget(restarted.worker_id)
+        assert restarted.worker_id not in index
+
+        # A heartbeat already stale when seen (a dead worker's last entry): never indexed.
+        ghost = await FakeWorker(bus.nc, worker_name("ghost")).start()
+        ghost.store(5)
+        sync.observe(ghost.heartbeat(at=time.time() - 5.0))
+        await asyncio.sleep(0.3)
+        assert ghost.worker_id not in index and ghost.dump_requests == 0
+        assert not task.done()
+        await restarted.stop()
+        await stranger.stop()
+        await ghost.stop()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_dump_failures_back_off_and_recover(bus: Bus, sync: KvSync) -> None:
+    index = sync.index
+    # No responder at all, then one that never answers, then a real one.
+    name = worker_name("late")
+    no_responders = counted("ripplemesh_router_kv_dumps_total", "no_responders")
+    timeouts = counted("ripplemesh_router_kv_dumps_total", "timeout")
+    heartbeat = FakeWorker(bus.nc, name)
+    sync.observe(heartbeat.heartbeat())
+    await eventually(
+        lambda: counted("ripplemesh_router_kv_dumps_total", "no_responders") >= no_responders + 2
+    )
+    assert index.needs_dump(name) and index.block_count(name) == 0
+    mute = await FakeWorker(bus.nc, name, respond=False).start()
+    await eventually(lambda: counted("ripplemesh_router_kv_dumps_total", "timeout") >= timeouts + 1)
+    await mute.stop()
+    worker = await FakeWorker(bus.nc, name).start()
+    worker.store(3, 4)
+    await worker.flush(lose=True)
+    sync.observe(worker.heartbeat())
+    await eventually(lambda: current(index, worker), timeout_s=15)
+
+    # A worker whose cache uses another block size is never indexed.
+    mismatched = await FakeWorker(bus.nc, worker_name("bs"), block_size=BLOCK_SIZE * 2).start()
+    mismatched.store(8)
+    await mismatched.flush(lose=True)
+    before = counted("ripplemesh_router_kv_dumps_total", "mismatch")
+    sync.observe(mismatched.heartbeat())
+    await eventually(lambda: counted("ripplemesh_router_kv_dumps_total", "mismatch") >= before + 1)
+    assert index.excluded(mismatched.worker_id) and index.overlaps([8]) == {}
+    await worker.stop()
+    await mismatched.stop()
+
+
+# ---------------------------------------------------------------- in the mesh
+
+WORDS = "the model token cache request worker batch prefill decode latency cost router queue fleet".split()
+
+
+def long_prompt(words: int = 400) -> str:
+    rng = random.Random(uuid.uuid4().int)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def router_health(mesh: Mesh) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{mesh.child('router').url}/healthz", timeout=5) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+def decide_span(mesh: Mesh, request_id: str) -> dict[str, Any]:
+    def find() -> dict[str, Any] | None:
+        spans = load_request_trace(mesh.data_dir, request_id)
+        return next((s for s in spans if s["name"] == "router.decide"), None)
+
+    return wait_until(find, timeout_s=15)  # type: ignore[no-any-return]
+
+
+def indexed_blocks(mesh: Mesh, worker_id: str) -> int:
+    entry = router_health(mesh)["kv_index"]["by_worker"].get(worker_id)
+    return int(entry["blocks"]) if entry and entry["synced"] else 0
+
+
+def all_indexed_blocks(mesh: Mesh) -> dict[str, int]:
+    return {w: e["blocks"] for w, e in router_health(mesh)["kv_index"]["by_worker"].items() if e["synced"]}
+
+
+async def test_router_predicts_the_cached_prefix_a_repeated_prompt_finds(mesh: Mesh) -> None:
+    prompt = long_prompt()
+    baseline = all_indexed_blocks(mesh)
+    async with MeshClient(mesh.url, "acme") as client:
+        first = await client.complete(prompt=prompt, max_tokens=4)
+        assert first.usage.cached_tokens == 0
+        first_span = decide_span(mesh, first.request_id)["attributes"]
+        assert first_span["ripple.router.predicted_cached_tokens"] == 0
+        worker = first_span["ripple.router.prefill_worker"]
+        expected = baseline.get(worker, 0) + first.usage.prompt_tokens // 16
+        # The worker's batches of stored blocks reach the router within a few tens of ms.
+        await asyncio.to_thread(wait_until, lambda: indexed_blocks(mesh, worker) >= expected, 10)
+        second = await client.complete(prompt=prompt, max_tokens=4)
+    span = decide_span(mesh, second.request_id)["attributes"]
+    assert span["ripple.router.prefill_worker"] == worker
+    predicted = span["ripple.router.predicted_cached_tokens"]
+    assert predicted > 0
+    assert predicted == second.usage.cached_tokens  # the prediction is exactly what prefill found
+    assert any(entry.startswith(f"{worker}=") for entry in span["ripple.router.cached_tokens_by_worker"])
+
+
+async def test_router_restart_rebuilds_the_index_from_dumps(mesh: Mesh) -> None:
+    prompt = long_prompt()
+    baseline = all_indexed_blocks(mesh)
+    async with MeshClient(mesh.url, "acme") as client:
+        first = await client.complete(prompt=prompt, max_tokens=4)
+        worker = decide_span(mesh, first.request_id)["attributes"]["ripple.router.prefill_worker"]
+        expected = baseline.get(worker, 0) + first.usage.prompt_tokens // 16
+        await asyncio.to_thread(wait_until, lambda: indexed_blocks(mesh, worker) >= expected, 10)
+        await asyncio.sleep(0.3)  # let every batch land
+        # The mesh's own workers (other tests' fake ones on this server have no heartbeat).
+        workers = {c.name for c in mesh.children if c.name.startswith(("prefill-", "decode-"))}
+        before = {w: n for w, n in all_indexed_blocks(mesh).items() if w in workers}
+        assert before.get(worker, 0) >= expected
+        await asyncio.to_thread(mesh.restart_child, "router")
+        # Nothing new is cached meanwhile: only the workers' dumps can tell the new router process.
+        await asyncio.to_thread(
+            wait_until, lambda: all(indexed_blocks(mesh, w) == n for w, n in before.items()), 15
+        )
+        with urllib.request.urlopen(f"{mesh.child('router').url}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert 'ripplemesh_router_kv_dumps_total{outcome="applied"}' in metrics
+        again = await client.complete(prompt=prompt, max_tokens=4)
+    span = decide_span(mesh, again.request_id)["attributes"]
+    assert span["ripple.router.predicted_cached_tokens"] == again.usage.cached_tokens > 0
