@@ -169,6 +169,12 @@ class RequestRejected(Event, frozen=True, kw_only=True, tag="request.rejected.v1
     reason: Literal["quota", "capacity", "deadline", "invalid", "no_workers"]
     message: str
     retry_after_s: NonNegativeFloat | None = None
+    # The request's task, for the ledger (absent from older producers): a rejected workflow step
+    # fails its workflow.
+    workflow_id: Identifier | None = None
+    workflow_step: PositiveInt | None = None
+    workflow_steps: PositiveInt | None = None
+    deadline_at: float | None = None
 
 
 class RequestRouted(Event, frozen=True, kw_only=True, tag="request.routed.v1"):
@@ -205,6 +211,11 @@ class DecodeCompleted(Event, frozen=True, kw_only=True, tag="request.decode_comp
     usage: Usage
     finish_reason: Literal["stop", "length"]
     latency_s: NonNegativeFloat
+    # The request's place in its workflow (`WorkflowRef.step` and `.steps`) and its deadline, for
+    # the ledger's tasks; None from older producers. The completion time is `occurred_at`.
+    workflow_step: PositiveInt | None = None
+    workflow_steps: PositiveInt | None = None
+    deadline_at: float | None = None
 
 
 class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):
@@ -214,6 +225,10 @@ class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):
     stage: str
     worker_id: str | None = None
     message: str
+    # As in DecodeCompleted: which step of its workflow failed (None from older producers).
+    workflow_step: PositiveInt | None = None
+    workflow_steps: PositiveInt | None = None
+    deadline_at: float | None = None
 
 
 class FleetObserved(Event, frozen=True, kw_only=True, tag="fleet.observed.v1"):
@@ -249,6 +264,31 @@ class StreamFailed(Event, frozen=True, kw_only=True, tag="tokens.failed.v1"):
 
 
 # ---------------------------------------------------------------- state and dead letters
+
+
+class WorkflowSpend(Struct, frozen=True, kw_only=True):
+    """A workflow's running spend, kept by the ledger in the WORKFLOW_SPEND KV bucket under the
+    workflow's id, so that admission and the router can weigh its sunk cost.
+
+    Spend is every GPU-second (prefill and decode, retried and migrated requests included) and
+    KV transfer the workflow's requests reported so far, in US$. `status` is the task's:
+    ``running`` until its final step completes in time (``succeeded``) or a step fails, misses
+    its deadline or the workflow goes quiet past the ledger's task timeout (``failed``, with the
+    `reason`).
+    """
+
+    workflow_id: Identifier
+    tenant: Identifier
+    spend_usd: NonNegativeFloat
+    gpu_seconds: NonNegativeFloat
+    # The highest step completed so far, and the workflow's number of steps when known.
+    steps_completed: NonNegativeInt
+    steps: PositiveInt | None = None
+    status: Literal["running", "succeeded", "failed"]
+    reason: Literal["step_failed", "deadline_missed", "abandoned"] | None = None
+    first_event_at: NonNegativeFloat
+    last_event_at: NonNegativeFloat
+    updated_at: NonNegativeFloat
 
 
 class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):

@@ -158,7 +158,13 @@ WORKERS = KvBucketSpec(
     ttl_s=10.0,
     description="Each worker's latest WorkerState; an entry expires when heartbeats stop.",
 )
-KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS,)
+WORKFLOW_SPEND = KvBucketSpec(
+    bucket="WORKFLOW_SPEND",
+    ttl_s=3600.0,
+    description="Each workflow's running spend (WorkflowSpend), keyed by workflow id, put by the "
+    "ledger after each batch that touches it; an entry expires an hour after its last update.",
+)
+KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS, WORKFLOW_SPEND)
 
 # JetStream Object Store bucket for KV caches too large for one message (hf engine hand-off);
 # only the object's name travels on the bus, in `KvHandle.object_name`.

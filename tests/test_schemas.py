@@ -93,6 +93,20 @@ VALUES: list[events.Struct] = [
     KV,
     POOL,
     events.KvCacheChange(kind="stored", block_hashes=[11, 12]),
+    # The ledger's value in the WORKFLOW_SPEND KV bucket.
+    events.WorkflowSpend(
+        workflow_id="wf-1",
+        tenant="acme",
+        spend_usd=0.42,
+        gpu_seconds=310.5,
+        steps_completed=2,
+        steps=5,
+        status="failed",
+        reason="deadline_missed",
+        first_event_at=NOW - 60,
+        last_event_at=NOW - 1,
+        updated_at=NOW,
+    ),
 ]
 
 # One valid instance of every event of the contract.
@@ -140,6 +154,10 @@ SAMPLES: list[Event] = [
         reason="quota",
         message="token rate exceeded",
         retry_after_s=1.5,
+        workflow_id="wf-1",
+        workflow_step=3,
+        workflow_steps=5,
+        deadline_at=NOW + 30.0,
     ),
     RequestRouted(
         event_id=_id(7),
@@ -177,6 +195,9 @@ SAMPLES: list[Event] = [
         usage=USAGE,
         finish_reason="stop",
         latency_s=1.9,
+        workflow_step=2,
+        workflow_steps=5,
+        deadline_at=NOW + 30.0,
     ),
     RequestFailed(
         event_id=_id(10),
@@ -186,6 +207,10 @@ SAMPLES: list[Event] = [
         stage="decode",
         worker_id="decode-1",
         message="engine crashed",
+        workflow_id="wf-1",
+        workflow_step=2,
+        workflow_steps=5,
+        deadline_at=NOW + 30.0,
     ),
     FleetObserved(event_id=_id(11), occurred_at=NOW, pools=[POOL]),
     TokenChunk(

@@ -98,6 +98,8 @@ class AdmissionService:
             source_event_id=event.event_id,
             request_id=event.request.request_id,
             tenant=event.request.tenant,
+            workflow=event.request.workflow,
+            deadline_at=event.request.deadline_at,
             stage="admission",
             reason=decision.reason,
             message=decision.message,

@@ -7,6 +7,7 @@ GPU time in lifecycle events for the ledger.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -243,6 +244,9 @@ class EngineHost:
                 text=self.engine.detokenize([result.first_token_id]),
             ),
         )
+        # Let the connection's flusher send the first token now, before the hand-off's work
+        # (which would otherwise hold it back to share one write): this is time to first token.
+        await asyncio.sleep(0)
         TOKENS_OUT.labels(self.worker_id).inc()
         GPU_SECONDS.labels(self.worker_id, "prefill").inc(result.gpu_seconds)
         if hand_off is not None:
@@ -343,6 +347,9 @@ class EngineHost:
                 usage=usage,
                 finish_reason=finish_reason,
                 latency_s=max(0.0, now - request.submitted_at),
+                workflow_step=request.workflow.step if request.workflow else None,
+                workflow_steps=request.workflow.steps if request.workflow else None,
+                deadline_at=request.deadline_at,
             ),
         )
 
@@ -378,5 +385,8 @@ class EngineHost:
                 stage=self.role,
                 worker_id=self.worker_id,
                 message=str(error),
+                workflow_step=request.workflow.step if request.workflow else None,
+                workflow_steps=request.workflow.steps if request.workflow else None,
+                deadline_at=request.deadline_at,
             ),
         )

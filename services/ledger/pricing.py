@@ -27,3 +27,16 @@ def price_gpu_seconds(gpu_type: str, gpu_seconds: float, prices: Mapping[str, fl
     if not math.isfinite(price) or price < 0:
         raise PricingError(f"invalid price for GPU type {gpu_type!r}: {price!r} US$/h")
     return gpu_seconds / SECONDS_PER_HOUR * price
+
+
+BYTES_PER_GB = 1e9
+
+
+def price_kv_transfer(kv_bytes: int, usd_per_gb: float) -> float:
+    """The cost in US$ of moving `kv_bytes` of KV cache between workers, at `usd_per_gb` US$ per
+    GB (10^9 bytes)."""
+    if kv_bytes < 0:
+        raise PricingError(f"invalid KV transfer size: {kv_bytes!r} bytes (must be >= 0)")
+    if not math.isfinite(usd_per_gb) or usd_per_gb < 0:
+        raise PricingError(f"invalid KV transfer price: {usd_per_gb!r} US$/GB")
+    return kv_bytes / BYTES_PER_GB * usd_per_gb

@@ -52,6 +52,13 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[ModelConfig]
     tenants: dict[str, TenantConfig]
     gpu_prices_per_hour: dict[str, PositiveFloat]
+    # The ledger prices KV cache bytes moved from a prefill to a decode worker at this many US$
+    # per GB (10^9 bytes). The default, 0.01, is the order of inter-zone data transfer prices on
+    # public clouds; a transfer inside one machine or rack costs less.
+    kv_transfer_usd_per_gb: Annotated[float, msgspec.Meta(ge=0)] = 0.01
+    # A workflow with no lifecycle event for this long, and its final step not completed, is
+    # abandoned: a failed task for the ledger.
+    task_timeout_s: PositiveFloat = 600.0
 
     def tenant_for_api_key(self, api_key: str) -> str | None:
         digest = hashlib.sha256(api_key.encode()).hexdigest()

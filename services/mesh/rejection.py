@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from schemas.events import RequestRejected, StreamFailed, derived_event_id
+from schemas.events import RequestRejected, StreamFailed, WorkflowRef, derived_event_id
 from schemas.subjects import event_subject, tokens_subject
 from services.mesh.bus import Bus
 
@@ -29,7 +29,11 @@ async def publish_rejection(
     message: str,
     http_status: int,
     retry_after_s: float | None = None,
+    workflow: WorkflowRef | None = None,
+    deadline_at: float | None = None,
 ) -> None:
+    """`workflow` and `deadline_at` (the request's, when known) let the ledger fail the
+    rejected request's workflow."""
     now = time.time()
     await bus.publish(
         tokens_subject(tenant, request_id),
@@ -55,5 +59,9 @@ async def publish_rejection(
             reason=reason,
             message=message,
             retry_after_s=retry_after_s,
+            workflow_id=workflow.workflow_id if workflow else None,
+            workflow_step=workflow.step if workflow else None,
+            workflow_steps=workflow.steps if workflow else None,
+            deadline_at=deadline_at,
         ),
     )

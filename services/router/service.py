@@ -216,6 +216,8 @@ class RouterService:
             source_event_id=event.event_id,
             request_id=event.request.request_id,
             tenant=event.request.tenant,
+            workflow=event.request.workflow,
+            deadline_at=event.request.deadline_at,
             stage="router",
             reason=decision.reason,
             message=decision.message,

@@ -1,0 +1,130 @@
+"""`ripplemesh bench simulator`: how fast the fleet simulator runs, on this machine.
+
+One run of `requests` requests on a fleet of `workers` H100s (llama-3.1-8b), on one of three
+workloads, each rate-scaled so that the fleet is busy but not saturated (the load per worker is
+the same whatever the fleet size):
+
+- azure: the Azure LLM inference trace (conversation), replayed back to back as often as needed,
+  at 100 x its rate per 64 workers; 16-token blocks, no prefix sharing;
+- mooncake: the Mooncake conversation trace, likewise, at 12 x its rate per 64 workers, in its
+  native 512-token blocks;
+- agentic: the synthetic agent workload (about 5 steps per workflow), 100 workflows/s per 64
+  workers, 16-token blocks.
+
+Reports wall and CPU seconds (the machine may be shared: CPU time is the steadier figure),
+requests per second, events, simulated time and peak memory, beside the run's own headline.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from services.simulator import (
+    AgenticWorkload,
+    AzureTrace,
+    MooncakeTrace,
+    SimOptions,
+    Workload,
+    run_simulation,
+)
+from services.simulator.fleet import FleetSpec, PoolSpec
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SCENARIOS = ("azure", "mooncake", "agentic")
+AZURE_REQUESTS = 19_366
+MOONCAKE_REQUESTS = 12_031
+
+
+def scenario(name: str, requests: int, workers: int, traces: Path = TRACES) -> Workload:
+    load = workers / 64.0
+    if name == "azure":
+        return AzureTrace(
+            traces / "AzureLLMInferenceTrace_conv.csv",
+            rate_scale=100.0 * load,
+            repeat=-(-requests // AZURE_REQUESTS),
+            limit=requests,
+        )
+    if name == "mooncake":
+        return MooncakeTrace(
+            traces / "conversation_trace.jsonl",
+            rate_scale=12.0 * load,
+            repeat=-(-requests // MOONCAKE_REQUESTS),
+            limit=requests,
+        )
+    if name == "agentic":
+        # Steps are uniform in [2, 8]: 5 requests per workflow on average.
+        return AgenticWorkload(workflows=max(1, requests // 5), rate_per_s=100.0 * load)
+    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+
+
+def run_simulator_bench(
+    *,
+    console: Console,
+    scenarios: tuple[str, ...] = SCENARIOS,
+    requests: int = 100_000,
+    workers: int = 64,
+    policy: str = "ripplemesh",
+    upper_bound: bool = True,
+    traces: Path = TRACES,
+) -> list[dict[str, Any]]:
+    fleet = FleetSpec(pools=[PoolSpec(replicas=workers)])
+    rows: list[dict[str, Any]] = []
+    for name in scenarios:
+        workload = scenario(name, requests, workers, traces)
+        with console.status(f"simulating {name}: {requests:,} requests on {workers} workers ({policy})"):
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = run_simulation(
+                workload, fleet, policy, options=SimOptions(prefix_upper_bound=upper_bound)
+            )
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        rows.append(
+            {
+                "scenario": name,
+                "block_size": workload.block_size,
+                "requests": result.requests,
+                "tasks": result.tasks,
+                "workers": workers,
+                "policy": policy,
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "requests_per_wall_s": result.requests / wall if wall else None,
+                "events": result.events,
+                "simulated_s": result.duration_s,
+                "gpu_utilisation": result.gpu_utilisation,
+                "cost_per_successful_task_usd": result.cost_per_successful_task_usd,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    table = Table(title=f"fleet simulator speed: {requests:,} requests on {workers} workers, policy {policy}")
+    for column in (
+        "workload",
+        "requests",
+        "wall",
+        "CPU",
+        "requests/s",
+        "events",
+        "simulated",
+        "GPU util",
+        "peak RSS",
+    ):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    for row in rows:
+        table.add_row(
+            f"{row['scenario']} ({row['block_size']}-token blocks)",
+            f"{row['requests']:,}",
+            f"{row['wall_s']:.1f} s",
+            f"{row['cpu_s']:.1f} s",
+            f"{row['requests_per_wall_s']:,.0f}",
+            f"{row['events']:,}",
+            f"{row['simulated_s']:,.0f} s",
+            f"{row['gpu_utilisation']:.0%}" if row["gpu_utilisation"] is not None else "-",
+            f"{row['peak_rss_mb']:,.0f} MB",
+        )
+    console.print(table)
+    return rows
