@@ -340,6 +340,140 @@ def bench_ledger(events: int, batch: int, postgres_url: str | None) -> None:
     run_ledger_bench(events=events, batch=batch, postgres_url=postgres_url, console=Console())
 
 
+SIM_POLICIES = (
+    "ripplemesh",
+    "round_robin",
+    "least_loaded",
+    "dynamo_kv",
+    "llmd_weighted",
+    "sglang_cache_aware",
+)
+
+
+@main.command()
+@click.option(
+    "--workload",
+    required=True,
+    help="A Mooncake trace (.jsonl), an Azure trace (.csv), or the generator: agentic[:key=value,...].",
+)
+@click.option(
+    "--fleet",
+    "fleet_spec",
+    required=True,
+    help="Pools, e.g. 64xH100, prefill:8xH100,decode:24xH100, 4..32xH100 (autoscaled), "
+    "16xH200/llama-3.1-8b:fp8@2; or a .toml file.",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    type=click.Choice(SIM_POLICIES),
+    help="A routing policy to run; repeat it to compare several (default: all).",
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Directory for JSON results and PNG plots."
+)
+@click.option(
+    "--rate-scale", type=float, default=1.0, show_default=True, help="Replay at k x the arrival rate."
+)
+@click.option("--window", default=None, help="START:END seconds of the trace to replay.")
+@click.option("--limit", type=int, default=None, help="At most N tasks.")
+@click.option(
+    "--repeat", type=int, default=1, show_default=True, help="Replay a trace N times, back to back."
+)
+@click.option(
+    "--block-size", type=int, default=None, help="KV block size (default: the workload's; Mooncake 512)."
+)
+@click.option("--model", default=None, help="The model name requests carry (default: the workload's).")
+@click.option(
+    "--deadline", "deadline_s", type=float, default=None, help="Traces: a per-request deadline in seconds."
+)
+@click.option("--seed", type=int, default=None, help="The agentic generator's seed.")
+@click.option("--slo-ttft", type=float, default=2.0, show_default=True, help="TTFT SLO in seconds.")
+@click.option(
+    "--slo-tpot", type=float, default=0.1, show_default=True, help="Time-per-output-token SLO in seconds."
+)
+@click.option(
+    "--no-upper-bound",
+    is_flag=True,
+    help="Skip the infinite-cache bound (its memory grows with the workload).",
+)
+@click.option("--no-plots", is_flag=True, help="JSON only.")
+def simulate(
+    workload: str,
+    fleet_spec: str,
+    policies: tuple[str, ...],
+    out: Path | None,
+    rate_scale: float,
+    window: str | None,
+    limit: int | None,
+    repeat: int,
+    block_size: int | None,
+    model: str | None,
+    deadline_s: float | None,
+    seed: int | None,
+    slo_ttft: float,
+    slo_tpot: float,
+    no_upper_bound: bool,
+    no_plots: bool,
+) -> None:
+    """Replay a workload on a simulated fleet under each routing policy; compare cost per successful task."""
+    import msgspec
+
+    from services.simulator.command import simulate as run_simulate
+
+    try:
+        run_simulate(
+            workload=workload,
+            fleet=fleet_spec,
+            policies=policies,
+            out=out,
+            rate_scale=rate_scale,
+            window=window,
+            limit=limit,
+            repeat=repeat,
+            block_size=block_size,
+            model=model,
+            deadline_s=deadline_s,
+            seed=seed,
+            slo_ttft_s=slo_ttft,
+            slo_tpot_s=slo_tpot,
+            upper_bound=not no_upper_bound,
+            plots=not no_plots,
+            console=Console(),
+        )
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@bench.command("simulator")
+@click.option("--requests", default=100_000, show_default=True, help="Requests per scenario.")
+@click.option("--workers", default=64, show_default=True, help="H100 workers in the fleet.")
+@click.option(
+    "--scenario",
+    "scenarios",
+    multiple=True,
+    type=click.Choice(["azure", "mooncake", "agentic"]),
+    help="Workloads to time (repeatable; default: all three).",
+)
+@click.option("--policy", default="ripplemesh", show_default=True, type=click.Choice(SIM_POLICIES))
+@click.option("--no-upper-bound", is_flag=True, help="Skip the infinite-cache bound (less memory).")
+def bench_simulator(
+    requests: int, workers: int, scenarios: tuple[str, ...], policy: str, no_upper_bound: bool
+) -> None:
+    """The fleet simulator's speed: wall and CPU seconds for N requests on W workers."""
+    from ripplemesh.bench.simulator import SCENARIOS, run_simulator_bench
+
+    run_simulator_bench(
+        console=Console(),
+        scenarios=scenarios or SCENARIOS,
+        requests=requests,
+        workers=workers,
+        policy=policy,
+        upper_bound=not no_upper_bound,
+    )
+
+
 @main.group()
 def ledger() -> None:
     """The cost ledger: cost per successful task, wasted and idle spend."""

@@ -8,7 +8,7 @@ the same whatever the fleet size):
   at 100 x its rate per 64 workers; 16-token blocks, no prefix sharing;
 - mooncake: the Mooncake conversation trace, likewise, at 12 x its rate per 64 workers, in its
   native 512-token blocks;
-- agentic: the synthetic agent workload (about 5 steps per workflow), 100 workflows/s per 64
+- agentic: the synthetic agent workload (about 5 steps per workflow), 60 workflows/s per 64
   workers, 16-token blocks.
 
 Reports wall and CPU seconds (the machine may be shared: CPU time is the steadier figure),
@@ -59,7 +59,7 @@ def scenario(name: str, requests: int, workers: int, traces: Path = TRACES) -> W
         )
     if name == "agentic":
         # Steps are uniform in [2, 8]: 5 requests per workflow on average.
-        return AgenticWorkload(workflows=max(1, requests // 5), rate_per_s=100.0 * load)
+        return AgenticWorkload(workflows=max(1, requests // 5), rate_per_s=60.0 * load)
     raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
 
 

@@ -1,0 +1,31 @@
+"""The fleet simulator: replay real traces and synthetic agent workloads through the project's own
+policies and the sim engine's scheduling on a virtual clock, and compare routing policies by cost
+per successful task. See docs/simulator.md."""
+
+from services.simulator.core import SimOptions, Simulator, run_simulation
+from services.simulator.fleet import FleetSpec, PoolSpec, parse_fleet
+from services.simulator.metrics import SimResult
+from services.simulator.policies import POLICY_NAMES
+from services.simulator.workload import (
+    AgenticWorkload,
+    AzureTrace,
+    MooncakeTrace,
+    Workload,
+    load_workload,
+)
+
+__all__ = [
+    "POLICY_NAMES",
+    "AgenticWorkload",
+    "AzureTrace",
+    "FleetSpec",
+    "MooncakeTrace",
+    "PoolSpec",
+    "SimOptions",
+    "SimResult",
+    "Simulator",
+    "Workload",
+    "load_workload",
+    "parse_fleet",
+    "run_simulation",
+]

@@ -1,0 +1,84 @@
+"""`ripplemesh simulate`: what the command does, behind its click options (ripplemesh/cli.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from services.simulator.core import SimOptions
+from services.simulator.fleet import parse_fleet
+from services.simulator.harness import compare
+from services.simulator.metrics import SimResult
+from services.simulator.policies import POLICY_NAMES
+from services.simulator.workload import AgenticWorkload, load_workload
+
+
+def parse_window(text: str | None) -> tuple[float, float] | None:
+    """'START:END' in seconds from the trace's start (either side may be empty)."""
+    if not text:
+        return None
+    start, sep, end = text.partition(":")
+    if not sep:
+        raise ValueError(f"window {text!r}: expected START:END in seconds")
+    low = float(start) if start.strip() else 0.0
+    high = float(end) if end.strip() else float("inf")
+    if not low < high:
+        raise ValueError(f"window {text!r}: START must be before END")
+    return (low, high)
+
+
+def simulate(
+    *,
+    workload: str,
+    fleet: str,
+    policies: Sequence[str],
+    out: Path | None,
+    rate_scale: float = 1.0,
+    window: str | None = None,
+    limit: int | None = None,
+    repeat: int = 1,
+    block_size: int | None = None,
+    model: str | None = None,
+    deadline_s: float | None = None,
+    seed: int | None = None,
+    slo_ttft_s: float = 2.0,
+    slo_tpot_s: float = 0.1,
+    abandon_past_deadline: bool = True,
+    upper_bound: bool = True,
+    plots: bool = True,
+    console: Console | None = None,
+) -> list[SimResult]:
+    """Run every policy in `policies` (all of them when empty) on the workload and fleet."""
+    spec = workload
+    if seed is not None and (spec == "agentic" or spec.startswith("agentic:")) and "seed=" not in spec:
+        spec = f"{spec}{',' if ':' in spec else ':'}seed={seed}"
+    loaded = load_workload(
+        spec,
+        rate_scale=rate_scale,
+        window=parse_window(window),
+        limit=limit,
+        block_size=block_size,
+        model=model,
+        repeat=repeat,
+        deadline_s=deadline_s,
+    )
+    options = SimOptions(
+        abandon_past_deadline=abandon_past_deadline,
+        slo_ttft_s=slo_ttft_s,
+        slo_tpot_s=slo_tpot_s,
+        prefix_upper_bound=upper_bound,
+    )
+    names = list(policies) or list(POLICY_NAMES)
+    run_seed = loaded.seed if isinstance(loaded, AgenticWorkload) else (seed or 0)
+    return compare(
+        loaded,
+        parse_fleet(fleet),
+        names,
+        seed=run_seed,
+        options=options,
+        out=out,
+        console=console,
+        plots=plots,
+    )

@@ -1,0 +1,146 @@
+"""The simulated fleet: pools of sim engines (GPU type, model shape, role, size, autoscaling).
+
+A fleet comes from a TOML file (the fields of `FleetSpec` and `PoolSpec`) or a compact string,
+pools separated by commas:
+
+    64xH100                               64 H100s serving llama-3.1-8b (bf16), aggregated
+    16xH200/llama-3.1-8b:fp8              a model shape with its precision (profiles.model_shape)
+    prefill:8xH100,decode:24xH100         disaggregated: a prefill pool and a decode pool
+    4..32xH100                            autoscaled between 4 and 32 replicas, starting at 4
+    8xH100/llama-3-70b:fp8@2              tensor parallelism 2 (each replica two GPUs)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from services.autoscaler.policy import Targets
+from services.engines.sim.engine import SimEngine
+from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+_DEFAULT_TARGETS = Targets()
+
+
+class PoolSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str = ""
+    role: Literal["decode", "prefill"] = "decode"  # "decode" pools serve aggregated when no prefill pool
+    gpu: str = "H100"
+    shape: str = "llama-3.1-8b"
+    model: str | None = None  # the model name requests carry; default: the workload's
+    replicas: Annotated[int, msgspec.Meta(ge=0)] = 1
+    autoscale: bool = False
+    min_replicas: Positive = 1
+    max_replicas: Positive | None = None
+    tensor_parallel: Positive = 1
+    max_batch_tokens: Positive = 8192
+    max_running: Positive = 256
+    max_context_tokens: Positive = 131_072
+    kv_capacity_tokens: Positive | None = None
+    memory_fraction: float = 0.9
+    mfu: float = MFU
+    mbu: float = MBU
+    step_overhead_s: NonNegative = STEP_OVERHEAD_S
+    # A new replica is billed from its start but serves only after this (model load, warm-up).
+    startup_s: NonNegative = 60.0
+
+    def label(self, index: int) -> str:
+        return self.name or f"{self.role}-{self.gpu}-{index}".lower()
+
+    def engine(self, *, model: str, block_size: int) -> SimEngine:
+        """The worker's engine, built by the sim engine's own constructor (never started)."""
+        return SimEngine(
+            model=model,
+            shape=self.shape,
+            gpu_type=self.gpu,
+            block_size=block_size,
+            tensor_parallel=self.tensor_parallel,
+            max_batch_tokens=self.max_batch_tokens,
+            max_running=self.max_running,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            max_context_tokens=self.max_context_tokens,
+            mfu=self.mfu,
+            mbu=self.mbu,
+            step_overhead_s=self.step_overhead_s,
+            memory_fraction=self.memory_fraction,
+        )
+
+
+class FleetSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pools: list[PoolSpec]
+    block_size: Positive | None = None  # default: the workload's
+    heartbeat_s: float = 1.0  # the workers' heartbeat (services/engines/host.py HEARTBEAT_S)
+    autoscale_interval_s: float = 5.0  # the autoscaler's observe interval
+    scale_down_delay_s: NonNegative = 60.0  # desired below current this long before draining
+    sequences_per_replica: float = _DEFAULT_TARGETS.sequences_per_replica
+    kv_high_water: float = _DEFAULT_TARGETS.kv_high_water
+    gpu_prices_per_hour: dict[str, float] | None = None  # default: the mesh config's
+    kv_transfer_usd_per_gb: NonNegative | None = None  # default: the mesh config's
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ValueError("a fleet needs at least one pool")
+        if self.heartbeat_s <= 0 or self.autoscale_interval_s <= 0:
+            raise ValueError("heartbeat_s and autoscale_interval_s must be > 0")
+        names: set[str] = set()
+        for index, pool in enumerate(self.pools):
+            label = pool.label(index)
+            if label in names:
+                raise ValueError(f"two pools are named {label!r}")
+            names.add(label)
+            if pool.max_replicas is not None and pool.max_replicas < pool.min_replicas:
+                raise ValueError(f"pool {label}: max_replicas < min_replicas")
+        if not any(p.role == "decode" for p in self.pools):
+            raise ValueError("a fleet needs a decode (or aggregated) pool")
+
+    @property
+    def replicas(self) -> int:
+        return sum(p.replicas for p in self.pools)
+
+    def targets(self, pool: PoolSpec) -> Targets:
+        return Targets(
+            sequences_per_replica=self.sequences_per_replica,
+            kv_high_water=self.kv_high_water,
+            liveness_s=3.0 * self.heartbeat_s,
+            max_replicas=pool.max_replicas or max(pool.replicas, pool.min_replicas),
+        )
+
+
+_POOL = re.compile(
+    r"^(?:(?P<role>prefill|decode):)?"
+    r"(?:(?P<low>\d+)\.\.(?P<high>\d+)|(?P<count>\d+))x(?P<gpu>[A-Za-z0-9_-]+)"
+    r"(?:/(?P<shape>[A-Za-z0-9_.:-]+?))?(?:@(?P<tp>\d+))?$"
+)
+
+
+def parse_fleet(spec: str) -> FleetSpec:
+    """A fleet from a TOML file path or a compact string (see the module docstring)."""
+    path = Path(spec)
+    if spec.endswith(".toml"):
+        if not path.exists():
+            raise ValueError(f"fleet file not found: {spec}")
+        return msgspec.toml.decode(path.read_bytes(), type=FleetSpec)
+    pools: list[PoolSpec] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        match = _POOL.match(item)
+        if match is None:
+            raise ValueError(
+                f"bad pool {item!r}: expected [prefill:|decode:]N[..M]xGPU[/shape][@tp], e.g. 64xH100"
+            )
+        fields: dict[str, object] = {"gpu": match["gpu"], "role": match["role"] or "decode"}
+        if match["count"] is not None:
+            fields["replicas"] = int(match["count"])
+        else:
+            low, high = int(match["low"]), int(match["high"])
+            fields.update(replicas=low, min_replicas=max(1, low), max_replicas=high, autoscale=True)
+        if match["shape"]:
+            fields["shape"] = match["shape"]
+        if match["tp"]:
+            fields["tensor_parallel"] = int(match["tp"])
+        pools.append(msgspec.convert(fields, PoolSpec))
+    return FleetSpec(pools=pools)

@@ -1,0 +1,761 @@
+"""Workloads for the simulator: real traces and a synthetic agentic-workflow generator, streamed.
+
+A workload is a stream of tasks in arrival order. A task is a standalone request (a trace line)
+or a workflow of several steps (an agent run); its steps are built one at a time, when the
+simulator issues them, so memory holds only the tasks in flight, never the whole workload.
+
+Prompts are described by their length and their chained block hashes (the prefix identity of
+services/mesh/block_hash.py): two prompts share a cached prefix exactly when their leading hashes
+are equal. Every hash chain is seeded with `block_hash.chain_seed(model)`, as the engines' are.
+
+- `MooncakeTrace`: the Mooncake FAST'25 JSONL traces (`timestamp` ms, `input_length`,
+  `output_length`, `hash_ids` of 512-token blocks). Run natively with `block_size=512` (one
+  engine block per hash id), or with a block size that divides 512, each hash id then expanding
+  into 512/block_size chained sub-blocks. Only full blocks are hashed, as the engines do.
+- `AzureTrace`: the Azure LLM inference trace CSVs (`TIMESTAMP,ContextTokens,GeneratedTokens`);
+  they carry no prefix information, so every request's blocks are its own.
+- `AgenticWorkload`: tenants with priorities and quotas; workflows of several steps whose prompt
+  is the previous step's prompt plus its output plus a tool result (so later steps share the
+  earlier steps' prefix), think time between steps, per-step deadlines, and optional
+  application-level step failures. Every random draw comes from the workflow's own seeded
+  generator, so the workload is identical whatever the policy under test does.
+
+Every workload takes `rate_scale` (replay at k x the arrival rate), `window` (a time window of
+the trace, in seconds from its start; arrivals are re-based to 0) and `limit` (at most N tasks);
+traces take `repeat` (replay the trace N times back to back, each copy's prefixes its own).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from schemas.events import PriorityClass
+from services.admission.policy import TenantQuota
+from services.mesh.block_hash import chain_block_hashes, chain_seed
+
+MOONCAKE_BLOCK_TOKENS = 512
+_MASK64 = (1 << 64) - 1
+# Effectively no limit: admission's token buckets never run dry.
+UNLIMITED = TenantQuota(requests_per_s=1e15, request_burst=1e15, tokens_per_s=1e18, token_burst=1e18)
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser: a fast, well-spread 64-bit mix (for synthetic block identities)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+# ------------------------------------------------------------------ the task model
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    priority: PriorityClass = "standard"
+    quota: TenantQuota = UNLIMITED
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One request of a task."""
+
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: list[int]
+    deadline_s: float | None = None  # after the step's arrival
+    think_s: float = 0.0  # the wait after the previous step completes (0 for the first)
+    fails: bool = False  # the step's result is unusable: an application-level failure
+
+
+class Task(ABC):
+    task_id: str
+    tenant: str
+    priority: PriorityClass
+    arrival_s: float
+    steps: int
+    workflow: bool
+
+    @abstractmethod
+    def step(self, index: int) -> Step:
+        """Step `index` (1-based); called once per step, in order."""
+
+
+class SingleRequest(Task):
+    """A trace request: a task of one step."""
+
+    __slots__ = ("_step", "arrival_s", "priority", "task_id", "tenant")
+    steps = 1
+    workflow = False
+
+    def __init__(self, task_id: str, tenant: str, priority: PriorityClass, arrival_s: float, step: Step):
+        self.task_id = task_id
+        self.tenant = tenant
+        self.priority = priority
+        self.arrival_s = arrival_s
+        self._step = step
+
+    def step(self, index: int) -> Step:
+        if index != 1:
+            raise IndexError(f"request {self.task_id} has one step")
+        return self._step
+
+
+# A raw record: (timestamp in seconds from the trace's start, a builder of the task given its
+# arrival time and its index in the stream).
+Record = tuple[float, Callable[[float, int], Task]]
+
+
+class Workload(ABC):
+    """A stream of tasks in arrival order, with the block size its prefixes are hashed in."""
+
+    name: str
+    block_size: int
+    model: str
+    tenants: dict[str, Tenant]
+    # False when no two requests can share a prefix (the simulator then skips the infinite-cache
+    # bound's bookkeeping: it is zero).
+    prefix_sharing: bool = True
+
+    def __init__(
+        self,
+        *,
+        rate_scale: float = 1.0,
+        window: tuple[float, float] | None = None,
+        limit: int | None = None,
+    ):
+        if rate_scale <= 0:
+            raise ValueError("rate_scale must be > 0")
+        if window is not None and not window[0] < window[1]:
+            raise ValueError("window must be (start, end) with start < end")
+        if limit is not None and limit < 0:
+            raise ValueError("limit must be >= 0")
+        self.rate_scale = rate_scale
+        self.window = window
+        self.limit = limit
+
+    @abstractmethod
+    def _records(self) -> Iterator[Record]:
+        """The raw records, in timestamp order."""
+
+    def tasks(self) -> Iterator[Task]:
+        """The tasks, windowed, rate-scaled and limited, built lazily in arrival order."""
+        start, end = self.window if self.window is not None else (0.0, math.inf)
+        limit = self.limit if self.limit is not None else math.inf
+        index = 0
+        last = 0.0
+        for timestamp, build in self._records():
+            if timestamp < start:
+                continue
+            if timestamp >= end or index >= limit:
+                return
+            arrival = max(last, (timestamp - start) / self.rate_scale)
+            last = arrival
+            yield build(arrival, index)
+            index += 1
+
+    def count_hint(self) -> int | None:
+        """How many tasks `tasks()` will yield when cheaply known (for progress bars)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "block_size": self.block_size,
+            "model": self.model,
+            "rate_scale": self.rate_scale,
+            "window": list(self.window) if self.window else None,
+            "limit": self.limit,
+        }
+
+
+# ------------------------------------------------------------------ Mooncake
+
+
+class _MooncakeLine(msgspec.Struct):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+class MooncakeTrace(Workload):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        block_size: int = MOONCAKE_BLOCK_TOKENS,
+        model: str = "llama-3.1-8b",
+        tenant: str = "trace",
+        priority: PriorityClass = "standard",
+        deadline_s: float | None = None,
+        repeat: int = 1,
+        rate_scale: float = 1.0,
+        window: tuple[float, float] | None = None,
+        limit: int | None = None,
+    ):
+        super().__init__(rate_scale=rate_scale, window=window, limit=limit)
+        if block_size < 1 or MOONCAKE_BLOCK_TOKENS % block_size:
+            raise ValueError(
+                f"block_size must divide {MOONCAKE_BLOCK_TOKENS} (Mooncake's block), got {block_size}"
+            )
+        if repeat < 1:
+            raise ValueError("repeat must be >= 1")
+        self.path = Path(path)
+        self.name = f"mooncake:{self.path.name}"
+        self.block_size = block_size
+        self.model = model
+        self.tenant = tenant
+        self.priority = priority
+        self.deadline_s = deadline_s
+        self.repeat = repeat
+        self.tenants = {tenant: Tenant(tenant, priority)}
+        self._sub_blocks = MOONCAKE_BLOCK_TOKENS // block_size
+
+    def _hashes(self, hash_ids: list[int], prompt: int, copy: int) -> list[int]:
+        full = prompt // self.block_size
+        adapter = f"repeat-{copy}" if copy else None
+        if self._sub_blocks == 1:
+            ids = hash_ids[:full]
+        else:
+            m = self._sub_blocks
+            ids = [h * m + j for h in hash_ids[: -(-full // m)] for j in range(m)][:full]
+        # Each id a "token" of a one-token block: the project's chained hash over the ids.
+        return chain_block_hashes(ids, 1, model=self.model, adapter=adapter)
+
+    def _lines(self) -> Iterator[_MooncakeLine]:
+        decoder = msgspec.json.Decoder(_MooncakeLine)
+        with self.path.open("rb") as handle:
+            for raw in handle:
+                if raw.strip():
+                    yield decoder.decode(raw)
+
+    def _duration(self) -> float:
+        last = 0.0
+        for line in self._lines():
+            last = line.timestamp
+        return last / 1000.0
+
+    def _records(self) -> Iterator[Record]:
+        period = 0.0
+        if self.repeat > 1:
+            duration = self._duration()
+            period = duration + duration / max(1, self._line_count()) if duration > 0 else 1.0
+        for copy in range(self.repeat):
+            for line in self._lines():
+                yield (line.timestamp / 1000.0 + copy * period, self._builder(line, copy))
+
+    def _builder(self, line: _MooncakeLine, copy: int) -> Callable[[float, int], Task]:
+        def build(arrival: float, index: int) -> Task:
+            prompt = line.input_length
+            step = Step(
+                prompt_tokens=prompt,
+                output_tokens=max(1, line.output_length),
+                block_hashes=self._hashes(line.hash_ids, prompt, copy),
+                deadline_s=self.deadline_s,
+            )
+            return SingleRequest(f"mc{index}", self.tenant, self.priority, arrival, step)
+
+        return build
+
+    def _line_count(self) -> int:
+        with self.path.open("rb") as handle:
+            return sum(1 for raw in handle if raw.strip())
+
+    def count_hint(self) -> int | None:
+        if self.window is not None:
+            return self.limit
+        total = self._line_count() * self.repeat
+        return total if self.limit is None else min(total, self.limit)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": str(self.path), "repeat": self.repeat}
+
+
+# ------------------------------------------------------------------ Azure
+
+
+def _azure_time(value: str) -> float:
+    """'2023-11-16 18:17:03.9799600' (7 fractional digits) -> seconds since the epoch (UTC)."""
+    main, _, fraction = value.strip().partition(".")
+    seconds = datetime.fromisoformat(main).timestamp()
+    return seconds + (float("0." + fraction) if fraction else 0.0)
+
+
+class AzureTrace(Workload):
+    prefix_sharing = False
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        block_size: int = 16,
+        model: str = "llama-3.1-8b",
+        tenant: str = "trace",
+        priority: PriorityClass = "standard",
+        deadline_s: float | None = None,
+        repeat: int = 1,
+        rate_scale: float = 1.0,
+        window: tuple[float, float] | None = None,
+        limit: int | None = None,
+    ):
+        super().__init__(rate_scale=rate_scale, window=window, limit=limit)
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if repeat < 1:
+            raise ValueError("repeat must be >= 1")
+        self.path = Path(path)
+        self.name = f"azure:{self.path.name}"
+        self.block_size = block_size
+        self.model = model
+        self.tenant = tenant
+        self.priority = priority
+        self.deadline_s = deadline_s
+        self.repeat = repeat
+        self.tenants = {tenant: Tenant(tenant, priority)}
+        self._seed = chain_seed(model)
+
+    def _rows(self) -> Iterator[tuple[float, int, int]]:
+        with self.path.open(newline="") as handle:
+            reader = csv.reader(handle)
+            header = next(reader, None)
+            if header is None or [h.strip() for h in header[:3]] != [
+                "TIMESTAMP",
+                "ContextTokens",
+                "GeneratedTokens",
+            ]:
+                raise ValueError(f"{self.path}: expected the header TIMESTAMP,ContextTokens,GeneratedTokens")
+            first: float | None = None
+            for row in reader:
+                if not row:
+                    continue
+                at = _azure_time(row[0])
+                if first is None:
+                    first = at
+                yield (at - first, int(row[1]), int(row[2]))
+
+    def _records(self) -> Iterator[Record]:
+        period = 0.0
+        if self.repeat > 1:
+            last, count = 0.0, 0
+            for at, _, _ in self._rows():
+                last, count = at, count + 1
+            period = last + (last / count if count else 1.0)
+        stream_index = itertools.count()
+        for copy in range(self.repeat):
+            for at, prompt, output in self._rows():
+                yield (at + copy * period, self._builder(prompt, output, next(stream_index)))
+
+    def _builder(self, prompt: int, output: int, serial: int) -> Callable[[float, int], Task]:
+        def build(arrival: float, index: int) -> Task:
+            # No prefix information in this trace: every block is the request's own. Consecutive
+            # ids from a random 62-bit base (no two requests' ranges meet in practice).
+            base = mix64(self._seed ^ mix64(serial + 1)) >> 2
+            hashes = list(range(base, base + prompt // self.block_size))
+            step = Step(
+                prompt_tokens=prompt,
+                output_tokens=max(1, output),
+                block_hashes=hashes,
+                deadline_s=self.deadline_s,
+            )
+            return SingleRequest(f"az{index}", self.tenant, self.priority, arrival, step)
+
+        return build
+
+    def count_hint(self) -> int | None:
+        if self.window is not None:
+            return self.limit
+        with self.path.open("rb") as handle:
+            total = max(0, sum(1 for raw in handle if raw.strip()) - 1) * self.repeat
+        return total if self.limit is None else min(total, self.limit)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": str(self.path), "repeat": self.repeat}
+
+
+# ------------------------------------------------------------------ the agentic generator
+
+
+@dataclass(frozen=True, slots=True)
+class AgenticTenant:
+    name: str
+    priority: PriorityClass = "standard"
+    share: float = 1.0  # of the workflows
+    system_prompt_tokens: int = 1000  # shared by all of the tenant's workflows
+    step_deadline_s: float | None = 60.0
+    quota: TenantQuota = UNLIMITED
+
+
+DEFAULT_TENANTS: tuple[AgenticTenant, ...] = (
+    AgenticTenant("assistant", "critical", 0.3, system_prompt_tokens=1500, step_deadline_s=30.0),
+    AgenticTenant("agents", "standard", 0.5, system_prompt_tokens=3000, step_deadline_s=60.0),
+    AgenticTenant(
+        "batch",
+        "sheddable",
+        0.2,
+        system_prompt_tokens=800,
+        step_deadline_s=300.0,
+        quota=TenantQuota(
+            requests_per_s=50.0, request_burst=100.0, tokens_per_s=400_000.0, token_burst=1_600_000.0
+        ),
+    ),
+)
+
+
+class _Chain:
+    """A prompt's chained block hashes, extended as segments of tokens are appended.
+
+    A segment is a run of tokens with an identity (`segment`, an int); a block's identity is the
+    list of (segment, start, end) pieces it covers, chained onto the previous block's hash.
+    """
+
+    __slots__ = ("hashes", "parent", "pieces", "size", "tokens")
+
+    def __init__(self, seed: int, block_size: int):
+        self.parent = seed
+        self.hashes: list[int] = []
+        self.pieces: list[tuple[int, int, int]] = []
+        self.size = block_size
+        self.tokens = 0
+
+    def append(self, segment: int, length: int) -> None:
+        offset = 0
+        size = self.size
+        while offset < length:
+            used = self.tokens % size
+            take = min(size - used, length - offset)
+            self.pieces.append((segment, offset, offset + take))
+            offset += take
+            self.tokens += take
+            if self.tokens % size == 0:
+                h = self.parent
+                for seg, start, end in self.pieces:
+                    h = mix64(h ^ seg ^ (start << 21) ^ (end << 42))
+                self.parent = h >> 1
+                self.hashes.append(self.parent)
+                self.pieces = []
+
+    def copy(self) -> _Chain:
+        other = _Chain(self.parent, self.size)
+        other.hashes = list(self.hashes)
+        other.pieces = list(self.pieces)
+        other.tokens = self.tokens
+        return other
+
+
+class _Workflow(Task):
+    __slots__ = (
+        "_chain",
+        "_deadline",
+        "_fails",
+        "_news",
+        "_outputs",
+        "_thinks",
+        "_uid",
+        "arrival_s",
+        "priority",
+        "steps",
+        "task_id",
+        "tenant",
+    )
+    workflow = True
+
+    def __init__(
+        self,
+        *,
+        task_id: str,
+        uid: int,
+        tenant: AgenticTenant,
+        system: _Chain,
+        arrival_s: float,
+        news: list[int],
+        outputs: list[int],
+        thinks: list[float],
+        fails: list[bool],
+    ):
+        self.task_id = task_id
+        self._uid = uid
+        self.tenant = tenant.name
+        self.priority = tenant.priority
+        self.arrival_s = arrival_s
+        self.steps = len(outputs)
+        self._news = news
+        self._outputs = outputs
+        self._thinks = thinks
+        self._fails = fails
+        self._deadline = tenant.step_deadline_s
+        self._chain = system.copy()  # the tenant's system prompt, hashed once per workload
+
+    def step(self, index: int) -> Step:
+        if not 1 <= index <= self.steps:
+            raise IndexError(f"workflow {self.task_id} has {self.steps} steps")
+        chain = self._chain
+        if index > 1:
+            # The previous step's output joins the conversation, then this step's tool result.
+            chain.append(mix64((self._uid << 20) ^ (index - 1) << 2 ^ 1), self._outputs[index - 2])
+        chain.append(mix64((self._uid << 20) ^ index << 2 ^ 2), self._news[index - 1])
+        return Step(
+            prompt_tokens=chain.tokens,
+            output_tokens=self._outputs[index - 1],
+            block_hashes=list(chain.hashes),
+            deadline_s=self._deadline,
+            think_s=self._thinks[index - 1],
+            fails=self._fails[index - 1],
+        )
+
+
+@dataclass
+class AgenticWorkload(Workload):
+    """Synthetic agent runs. Sizes are log-normal around their means (sigma `spread`), capped
+    at `max_tokens_per_step`; arrivals are Poisson at `rate_per_s` workflows per second."""
+
+    workflows: int = 1000
+    rate_per_s: float = 2.0
+    tenants_spec: tuple[AgenticTenant, ...] = DEFAULT_TENANTS
+    min_steps: int = 2
+    max_steps: int = 8
+    task_tokens: float = 600.0  # the user's request, in step 1
+    tool_tokens: float = 400.0  # each later step's tool result
+    output_tokens: float = 250.0
+    spread: float = 0.6
+    max_tokens_per_step: int = 8192
+    think_s: float = 3.0  # mean, exponential
+    failure_rate: float = 0.0  # application-level failure of a step's result
+    seed: int = 0
+    block_size: int = 16
+    model: str = "llama-3.1-8b"
+    rate_scale: float = 1.0
+    window: tuple[float, float] | None = None
+    limit: int | None = None
+    name: str = field(default="agentic", init=False)
+    tenants: dict[str, Tenant] = field(init=False)
+
+    def __post_init__(self) -> None:
+        Workload.__init__(self, rate_scale=self.rate_scale, window=self.window, limit=self.limit)
+        if not self.tenants_spec:
+            raise ValueError("at least one tenant")
+        if not 1 <= self.min_steps <= self.max_steps:
+            raise ValueError("need 1 <= min_steps <= max_steps")
+        if self.workflows < 0 or self.rate_per_s <= 0:
+            raise ValueError("workflows must be >= 0 and rate_per_s > 0")
+        if not 0.0 <= self.failure_rate <= 1.0:
+            raise ValueError("failure_rate must be in [0, 1]")
+        self.tenants = {t.name: Tenant(t.name, t.priority, t.quota) for t in self.tenants_spec}
+
+    def _size(self, rng: random.Random, mean: float) -> int:
+        sigma = self.spread
+        mu = math.log(max(mean, 1.0)) - sigma * sigma / 2.0
+        return max(1, min(self.max_tokens_per_step, round(rng.lognormvariate(mu, sigma))))
+
+    def _records(self) -> Iterator[Record]:
+        arrivals = random.Random(self.seed)
+        shares = [t.share for t in self.tenants_spec]
+        systems = []
+        for t in self.tenants_spec:
+            chain = _Chain(chain_seed(self.model), self.block_size)
+            segment = int.from_bytes(
+                hashlib.blake2b(f"system/{t.name}".encode(), digest_size=8).digest(), "little"
+            )
+            chain.append(segment, t.system_prompt_tokens)
+            systems.append(chain)
+        at = 0.0
+        for i in range(self.workflows):
+            at += arrivals.expovariate(self.rate_per_s)
+            yield (at, self._builder(i, shares, systems))
+
+    def _builder(self, i: int, shares: list[float], systems: list[_Chain]) -> Callable[[float, int], Task]:
+        def build(arrival: float, index: int) -> Task:
+            rng = random.Random(mix64(self.seed * 1_000_003 + i))
+            which = rng.choices(range(len(self.tenants_spec)), weights=shares)[0]
+            tenant = self.tenants_spec[which]
+            steps = rng.randint(self.min_steps, self.max_steps)
+            news = [self._size(rng, self.task_tokens)] + [
+                self._size(rng, self.tool_tokens) for _ in range(steps - 1)
+            ]
+            outputs = [self._size(rng, self.output_tokens) for _ in range(steps)]
+            thinks = [0.0] + [
+                rng.expovariate(1.0 / self.think_s) if self.think_s > 0 else 0.0 for _ in range(steps - 1)
+            ]
+            fails = [rng.random() < self.failure_rate for _ in range(steps)]
+            return _Workflow(
+                task_id=f"wf{i}",
+                uid=i,
+                tenant=tenant,
+                system=systems[which],
+                arrival_s=arrival,
+                news=news,
+                outputs=outputs,
+                thinks=thinks,
+                fails=fails,
+            )
+
+        return build
+
+    def count_hint(self) -> int | None:
+        if self.window is not None:
+            return self.limit
+        return self.workflows if self.limit is None else min(self.workflows, self.limit)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **Workload.describe(self),
+            "workflows": self.workflows,
+            "rate_per_s": self.rate_per_s,
+            "steps": [self.min_steps, self.max_steps],
+            "task_tokens": self.task_tokens,
+            "tool_tokens": self.tool_tokens,
+            "output_tokens": self.output_tokens,
+            "think_s": self.think_s,
+            "failure_rate": self.failure_rate,
+            "seed": self.seed,
+            "tenants": [
+                {
+                    "name": t.name,
+                    "priority": t.priority,
+                    "share": t.share,
+                    "system_prompt_tokens": t.system_prompt_tokens,
+                    "step_deadline_s": t.step_deadline_s,
+                }
+                for t in self.tenants_spec
+            ],
+        }
+
+
+# ------------------------------------------------------------------ synthetic traces for tests
+
+
+class ListWorkload(Workload):
+    """Explicit tasks (tests and small experiments): (arrival_s, Step) pairs, one tenant."""
+
+    def __init__(
+        self,
+        requests: list[tuple[float, Step]],
+        *,
+        block_size: int = 16,
+        model: str = "llama-3.1-8b",
+        tenant: Tenant | None = None,
+        name: str = "list",
+        rate_scale: float = 1.0,
+        window: tuple[float, float] | None = None,
+        limit: int | None = None,
+    ):
+        super().__init__(rate_scale=rate_scale, window=window, limit=limit)
+        self.requests = sorted(requests, key=lambda r: r[0])
+        self.block_size = block_size
+        self.model = model
+        self.name = name
+        tenant = tenant or Tenant("trace")
+        self.tenants = {tenant.name: tenant}
+        self._tenant = tenant
+
+    def _records(self) -> Iterator[Record]:
+        for at, step in self.requests:
+            yield (at, self._builder(step))
+
+    def _builder(self, step: Step) -> Callable[[float, int], Task]:
+        def build(arrival: float, index: int) -> Task:
+            return SingleRequest(f"rq{index}", self._tenant.name, self._tenant.priority, arrival, step)
+
+        return build
+
+    def count_hint(self) -> int | None:
+        return len(self.requests) if self.limit is None else min(len(self.requests), self.limit)
+
+
+def random_prompt_hashes(model: str, block_size: int, blocks: int, salt: int) -> list[int]:
+    """`blocks` chained hashes of a prompt no other salt shares (tests, synthetic traces)."""
+    parent = chain_seed(model)
+    out: list[int] = []
+    for j in range(blocks):
+        parent = mix64(parent ^ mix64((salt << 24) + j)) >> 1
+        out.append(parent)
+    return out
+
+
+# ------------------------------------------------------------------ from a command-line spec
+
+
+def _parse_options(text: str) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected key=value, got {item!r}")
+        options[key.strip().replace("-", "_")] = value.strip()
+    return options
+
+
+def _convert(value: str, kind: Any) -> Any:
+    if kind in (int, "int"):
+        return int(value)
+    if kind in (float, "float"):
+        return float(value)
+    return value
+
+
+def load_workload(
+    spec: str,
+    *,
+    rate_scale: float = 1.0,
+    window: tuple[float, float] | None = None,
+    limit: int | None = None,
+    block_size: int | None = None,
+    model: str | None = None,
+    repeat: int = 1,
+    deadline_s: float | None = None,
+) -> Workload:
+    """A workload from a command-line spec: a Mooncake `.jsonl` file, an Azure `.csv` file, or
+    `agentic[:key=value,...]` (keys: the fields of `AgenticWorkload`, e.g.
+    `agentic:workflows=5000,rate_per_s=20,seed=1`)."""
+    common: dict[str, Any] = {"rate_scale": rate_scale, "window": window, "limit": limit}
+    if model is not None:
+        common["model"] = model
+    if spec == "agentic" or spec.startswith("agentic:"):
+        options = _parse_options(spec.partition(":")[2])
+        kinds = {
+            "workflows": int,
+            "rate_per_s": float,
+            "min_steps": int,
+            "max_steps": int,
+            "task_tokens": float,
+            "tool_tokens": float,
+            "output_tokens": float,
+            "spread": float,
+            "max_tokens_per_step": int,
+            "think_s": float,
+            "failure_rate": float,
+            "seed": int,
+            "block_size": int,
+            "model": str,
+        }
+        unknown = sorted(set(options) - set(kinds))
+        if unknown:
+            raise ValueError(f"unknown agentic option(s) {', '.join(unknown)}; known: {', '.join(kinds)}")
+        values = {k: _convert(v, kinds[k]) for k, v in options.items()}
+        if block_size is not None:
+            values.setdefault("block_size", block_size)
+        return AgenticWorkload(**{**common, **values})
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"workload {spec!r}: no such file, and not 'agentic[:...]'")
+    extra: dict[str, Any] = {"repeat": repeat, "deadline_s": deadline_s}
+    if block_size is not None:
+        extra["block_size"] = block_size
+    if path.suffix == ".jsonl":
+        return MooncakeTrace(path, **common, **extra)
+    if path.suffix == ".csv":
+        return AzureTrace(path, **common, **extra)
+    raise ValueError(f"workload {spec!r}: expected a Mooncake .jsonl or an Azure .csv file")
