@@ -22,7 +22,7 @@ from services.simulator.metrics import SimResult
 from services.simulator.policies import POLICY_NAMES
 from services.simulator.workload import Workload
 
-MATPLOTLIB_HINT = "PNG plots need matplotlib (pip install 'ripplemesh[sim]', or pip install matplotlib)"
+MATPLOTLIB_HINT = "PNG plots need matplotlib (in the dev extra; or pip install matplotlib)"
 
 
 def compare(

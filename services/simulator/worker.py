@@ -31,6 +31,9 @@ size) and the step at which it finishes are all known when it joins the batch. E
 costs O(1) plus the sequences that cross a block boundary, finish or are being prefilled. A
 decode's share of a step is affine in its context (`PerfModel.step_shares`), so per-sequence
 GPU time is kept as three running sums per worker and settled when a sequence leaves the batch.
+And when nothing can change a batch of steady decodes before its next finish, the steps up to it
+are one chunk, one event: its end in closed form, its steps applied lazily (`advance`) when the
+simulator looks at or changes the worker, bit for bit as if scheduled one by one (tested).
 """
 
 from __future__ import annotations
@@ -477,10 +480,11 @@ class SimWorker:
         """SimEngine._schedule, then the step's duration. Returns when the step ends (None: idle).
 
         When the step holds steady decodes only and nothing can change the batch before its next
-        finish (no prompt to prefill or admit, no decode waiting for a slot it could get), the
-        steps up to that finish (at most the chunk length) are timed now as one chunk: the worker is
-        then busy until the chunk's last step ends, and `advance` applies its steps lazily, when
-        the simulator looks at the worker or interrupts the chunk (`interrupt`)."""
+        finish (no prompt to prefill or admit, no decode waiting for a slot it could get, and
+        `coast`: the simulator has nothing to hand the worker now), the steps up to that finish
+        are one chunk (`_chunk`): the worker is busy until the chunk's last step ends, and
+        `advance` applies its steps lazily, when the simulator looks at the worker or interrupts
+        the chunk (`interrupt`)."""
         if self.busy:
             return self.step_end_at
         blocks = self.blocks
