@@ -46,6 +46,7 @@ from itertools import compress, repeat
 from typing import Protocol
 
 from schemas.events import KvEvents
+from services.router.baselines import PrefixView as PrefixView  # the protocol this index serves
 
 __all__ = ["KvIndex", "Outcome", "PrefixView", "predicted_cached_tokens"]
 
@@ -54,12 +55,6 @@ _FEW_BITS = 4
 # Masks with more set bits than this are turned into worker ids by one C-level pass over the slots.
 _DENSE_BITS = 64
 _BIT_CHARS = bytes.maketrans(b"01", b"\x00\x01")
-
-
-class PrefixView(Protocol):
-    """What a placement policy needs from a KV index (the router's or a simulator's)."""
-
-    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int: ...
 
 
 class Outcome(StrEnum):
