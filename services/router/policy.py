@@ -49,17 +49,41 @@ class RouterState:
 
 
 @dataclass(frozen=True, slots=True)
+class ScoredOption:
+    """One placement the policy weighed: its predictions and its score (lower is better)."""
+
+    mode: Literal["aggregated", "disaggregated"]
+    prefill_worker: str
+    decode_worker: str
+    cached_tokens: int
+    ttft_s: float
+    cost_usd: float
+    success_probability: float
+    expected_cost_per_success_usd: float
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     mode: Literal["aggregated", "disaggregated"]
     prefill_worker: str
     decode_worker: str
     candidates: int
     decode_load: float
+    # The policy's predictions for the chosen placement, and the best options it passed over;
+    # they go on the router.decide span (ripple.*) and the RouteDecision event.
+    predicted_cached_tokens: int = 0
+    predicted_ttft_s: float = 0.0
+    predicted_cost_usd: float = 0.0
+    success_probability: float = 1.0
+    expected_cost_per_success_usd: float = 0.0
+    runners_up: tuple[ScoredOption, ...] = ()
+    policy: str = "ripplemesh"
 
 
 @dataclass(frozen=True, slots=True)
 class NoPlacement:
-    reason: Literal["no_workers", "invalid"]
+    # "infeasible": no placement can meet the request's hard deadline (admission is told so).
+    reason: Literal["no_workers", "invalid", "infeasible"]
     message: str
 
 
