@@ -10,7 +10,7 @@ not herd onto one worker. Ties break by a hash of (request, worker), again to av
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,6 +46,30 @@ class RouterState:
     def forget(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
         self.placed_since_heartbeat.pop(worker_id, None)
+
+
+Priority = Literal["critical", "standard", "sheddable"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the policy knows about one request (the service builds it from InferenceRequest and
+    the ledger's workflow spend; the simulator from its workload)."""
+
+    request_id: str
+    tenant: str
+    model: str
+    block_size: int
+    block_hashes: Sequence[int]
+    prompt_tokens: int
+    max_tokens: int
+    priority: Priority = "standard"
+    deadline_at: float | None = None  # absolute, on the clock passed in as `now`
+    workflow_id: str | None = None
+    workflow_step: int | None = None  # 1-based
+    workflow_steps: int | None = None
+    workflow_spent_usd: float = 0.0  # what the workflow's earlier steps already cost
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
