@@ -24,6 +24,7 @@ RequestApi = Literal["chat", "completion", "nats"]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
@@ -106,6 +107,21 @@ class KvHandle(Struct, frozen=True, kw_only=True):
     object_name: str | None = None
 
 
+class RouteOption(Struct, frozen=True, kw_only=True):
+    """One placement the router weighed, with what it predicted for it: the chosen one, or a
+    runner-up. TTFT is counted from the routing decision to the first token."""
+
+    mode: ServingMode
+    prefill_worker: Identifier
+    decode_worker: Identifier
+    cached_tokens: NonNegativeInt
+    ttft_s: NonNegativeFloat
+    cost_usd: NonNegativeFloat
+    success_probability: Probability
+    # The score (lower is better); None when success is out of reach (an infinite score).
+    expected_cost_per_success_usd: NonNegativeFloat | None = None
+
+
 class PoolView(Struct, frozen=True, kw_only=True):
     pool: str
     role: WorkerRole
@@ -148,6 +164,9 @@ class PrefillWork(Event, frozen=True, kw_only=True, tag="work.prefill.v1"):
     request: InferenceRequest
     prefill_worker: Identifier
     decode_worker: Identifier
+    # What the router predicted for this placement (TTFT from `occurred_at`, the decision), so
+    # the prefill span can show it next to what happened; None from older routers.
+    prediction: RouteOption | None = None
 
 
 class DecodeWork(Event, frozen=True, kw_only=True, tag="work.decode.v1"):
@@ -186,6 +205,30 @@ class RequestRouted(Event, frozen=True, kw_only=True, tag="request.routed.v1"):
     candidates: NonNegativeInt
     # The chosen worker's load as the router saw it, for the decision's audit trail.
     predicted_load: NonNegativeFloat
+
+
+class RouteDecision(Event, frozen=True, kw_only=True, tag="router.decision.v1"):
+    """Every routing decision, placed or not, with its predictions and the options passed over.
+
+    Router replicas read each other's placements from these, to count the load the others put
+    on a worker since its last heartbeat.
+    """
+
+    request_id: Identifier
+    tenant: Identifier
+    # The router replica that decided (replicas skip their own decisions).
+    router: Identifier
+    policy: str
+    outcome: Literal["placed", "no_workers", "invalid", "infeasible"]
+    message: str | None = None
+    chosen: RouteOption | None = None
+    runners_up: list[RouteOption] = []
+    candidates: NonNegativeInt = 0
+    decision_s: NonNegativeFloat = 0.0
+    workflow_id: Identifier | None = None
+    workflow_step: PositiveInt | None = None
+    workflow_steps: PositiveInt | None = None
+    workflow_spent_usd: NonNegativeFloat = 0.0
 
 
 class PrefillCompleted(Event, frozen=True, kw_only=True, tag="request.prefill_completed.v1"):
@@ -329,17 +372,31 @@ class KvEvents(Event, frozen=True, kw_only=True, tag="kv.events.v1"):
     block_size: PositiveInt
     seq: PositiveInt
     changes: list[KvCacheChange]
+    # The worker process's start (its WorkerState.started_at): a new value is a new incarnation,
+    # whose batches count from 1 again. None from older producers.
+    started_at: NonNegativeFloat | None = None
+
+
+class KvDumpRequest(Struct, frozen=True, kw_only=True):
+    """The body of a request on ``rmesh.kv.<worker>.dump``: the reader takes the dump in chunks of
+    at most `max_blocks` blocks (one message each). An empty body asks for one message."""
+
+    max_blocks: PositiveInt
 
 
 class KvDump(Event, frozen=True, kw_only=True, tag="kv.dump.v1"):
     """Every block a worker caches, as of batch `seq` (0: before any batch); the reply to a
-    request on ``rmesh.kv.<worker>.dump``."""
+    request on ``rmesh.kv.<worker>.dump``, in `chunks` messages (chunk 0 first) that each carry
+    a slice of the blocks, so that a large cache stays under the server's payload limit."""
 
     worker_id: Identifier
     model: str
     block_size: PositiveInt
     seq: NonNegativeInt
     block_hashes: list[int]
+    started_at: NonNegativeFloat | None = None
+    chunk: NonNegativeInt = 0
+    chunks: PositiveInt = 1
 
 
 class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.message.v1"):
@@ -357,7 +414,13 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.message.v1"):
 # ---------------------------------------------------------------- unions, one per subject family
 
 LifecycleEvent = (
-    RequestRejected | RequestRouted | PrefillCompleted | DecodeCompleted | RequestFailed | FleetObserved
+    RequestRejected
+    | RequestRouted
+    | RouteDecision
+    | PrefillCompleted
+    | DecodeCompleted
+    | RequestFailed
+    | FleetObserved
 )
 TokenEvent = TokenChunk | StreamFinished | StreamFailed
 WorkItem = PrefillWork | DecodeWork
@@ -369,6 +432,7 @@ AnyEvent = (
     | DecodeWork
     | RequestRejected
     | RequestRouted
+    | RouteDecision
     | PrefillCompleted
     | DecodeCompleted
     | RequestFailed

@@ -42,7 +42,7 @@ EVENTS_SCHEMA_PATH = "jsonschema/events.json"
 ASYNCAPI_PATH = "asyncapi.json"
 
 # The version of the AsyncAPI document; bump it when the contract changes (a new event tag).
-API_VERSION = "1.0.0"
+API_VERSION = "1.1.0"
 CONTENT_TYPE = "application/json"
 HEADERS_SCHEMA = "NatsHeaders"
 
@@ -258,10 +258,12 @@ def channels() -> tuple[Channel, ...]:
                 }
             },
             publishers="Ingress, admission and the router publish rejections and routing "
-            "decisions; prefill/decode workers completions and failures; the autoscaler its "
+            "decisions (RequestRouted, and a RouteDecision for every decision, with its "
+            "predictions); prefill/decode workers completions and failures; the autoscaler its "
             "fleet view.",
             consumers="The ledger (durable `ledger`) prices each request and task from them; "
-            "the stream is also the audit log.",
+            "the stream is also the audit log. Router replicas read each other's RouteDecisions "
+            "and the PrefillCompleted events (core subscriptions) for load and prediction error.",
         ),
         Channel(
             id="deadLetters",
@@ -309,10 +311,12 @@ def channels() -> tuple[Channel, ...]:
             address=subjects.kv_dump_subject(_param("worker")),
             title="Prefix-cache dump",
             description="Request/reply: a worker answers with every block it caches and the "
-            "batch number it is current to, for a reader that missed batches.",
+            "batch number it is current to, for a reader that missed batches. The request's body "
+            "is a KvDumpRequest (`max_blocks`): the answer then comes as `chunks` KvDump messages "
+            "on the reply subject, each with at most that many blocks; an empty body gets one.",
             messages=(events.KvDump,),
             parameters={"worker": _WORKER},
-            publishers="The worker, in reply to an empty request.",
+            publishers="The worker, in reply to a request.",
             consumers="Routers, on start-up and on a gap in a worker's KvEvents.",
             core=True,
         ),

@@ -71,6 +71,7 @@ def tenant_of(subject: str) -> str:
 EVENT_KINDS: dict[str, str] = {
     "request.rejected.v1": "rejected",
     "request.routed.v1": "routed",
+    "router.decision.v1": "route_decision",
     "request.prefill_completed.v1": "prefill_completed",
     "request.decode_completed.v1": "decode_completed",
     "request.failed.v1": "failed",

@@ -23,6 +23,8 @@ from schemas.events import (
     RequestFailed,
     RequestRejected,
     RequestRouted,
+    RouteDecision,
+    RouteOption,
     Usage,
 )
 from services.ledger import store as store_module
@@ -333,6 +335,50 @@ async def test_scripted_sequence_costs(store: LedgerStore) -> None:
         tenants["beta"]["rejected"],
     ) == (2, 1, 1)
     assert await store.errors() == []
+
+
+async def test_route_decisions_are_recorded_without_cost(store: LedgerStore) -> None:
+    """The router's reasoning is in the audit trail; it neither prices nor changes a request."""
+    option = RouteOption(
+        mode="aggregated",
+        prefill_worker="decode-h100",
+        decode_worker="decode-h100",
+        cached_tokens=64,
+        ttft_s=0.1,
+        cost_usd=0.002,
+        success_probability=0.9,
+        expected_cost_per_success_usd=0.0022,
+    )
+    placed = RouteDecision(
+        event_id="e-r1-decision",
+        occurred_at=T0,
+        request_id="r1",
+        tenant="acme",
+        router="router-1",
+        policy="ripplemesh",
+        outcome="placed",
+        chosen=option,
+        runners_up=[option],
+        candidates=2,
+    )
+    refused = RouteDecision(
+        event_id="e-r9-decision",
+        occurred_at=T0,
+        request_id="r9",
+        tenant="acme",
+        router="router-1",
+        policy="ripplemesh",
+        outcome="infeasible",
+        message="no placement meets the deadline",
+    )
+    assert await record_all(store, [placed, refused, placed]) == [True, True, False]
+    assert await store.request("r9") is None  # the RequestRejected, not the decision, makes the row
+    await record_all(store, script())
+    totals = await store.totals()
+    assert totals["events"] == 9 + 2 and totals["requests_total"] == 4
+    r1 = await store.request("r1")
+    assert r1 is not None and r1["status"] == "completed"
+    assert r1["cost_usd"] == pytest.approx(20.0 * H100_PER_S + 30.0 * A10G_PER_S)
 
 
 async def test_rerecording_changes_nothing(store: LedgerStore) -> None:

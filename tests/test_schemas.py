@@ -83,6 +83,16 @@ POOL = PoolView(
     kv_utilisation=0.81,
     reason="queue above target",
 )
+CHOSEN = events.RouteOption(
+    mode="disaggregated",
+    prefill_worker="prefill-0",
+    decode_worker="decode-1",
+    cached_tokens=48,
+    ttft_s=0.12,
+    cost_usd=0.0021,
+    success_probability=0.97,
+    expected_cost_per_success_usd=0.0022,
+)
 
 # One valid instance of every value Struct (not events).
 VALUES: list[events.Struct] = [
@@ -93,6 +103,8 @@ VALUES: list[events.Struct] = [
     KV,
     POOL,
     events.KvCacheChange(kind="stored", block_hashes=[11, 12]),
+    CHOSEN,
+    events.KvDumpRequest(max_blocks=32768),
     # The ledger's value in the WORKFLOW_SPEND KV bucket.
     events.WorkflowSpend(
         workflow_id="wf-1",
@@ -134,6 +146,7 @@ SAMPLES: list[Event] = [
         request=REQUEST,
         prefill_worker="prefill-0",
         decode_worker="decode-1",
+        prediction=CHOSEN,
     ),
     DecodeWork(
         event_id=_id(5),
@@ -169,6 +182,34 @@ SAMPLES: list[Event] = [
         decode_worker="decode-1",
         candidates=4,
         predicted_load=0.4,
+    ),
+    events.RouteDecision(
+        event_id=_id(19),
+        occurred_at=NOW,
+        request_id="req-1",
+        tenant="acme",
+        router="router-a1b2",
+        policy="ripplemesh",
+        outcome="placed",
+        chosen=CHOSEN,
+        runners_up=[
+            events.RouteOption(
+                mode="aggregated",
+                prefill_worker="decode-2",
+                decode_worker="decode-2",
+                cached_tokens=0,
+                ttft_s=9.5,
+                cost_usd=0.003,
+                success_probability=0.0,
+                expected_cost_per_success_usd=None,
+            )
+        ],
+        candidates=3,
+        decision_s=0.0004,
+        workflow_id="wf-1",
+        workflow_step=2,
+        workflow_steps=5,
+        workflow_spent_usd=0.31,
     ),
     PrefillCompleted(
         event_id=_id(8),
@@ -270,6 +311,7 @@ SAMPLES: list[Event] = [
             events.KvCacheChange(kind="stored", block_hashes=[11, 12]),
             events.KvCacheChange(kind="removed", block_hashes=[3]),
         ],
+        started_at=NOW - 3600,
     ),
     events.KvDump(
         event_id=_id(18),
@@ -279,6 +321,9 @@ SAMPLES: list[Event] = [
         block_size=16,
         seq=7,
         block_hashes=[11, 12],
+        started_at=NOW - 3600,
+        chunk=1,
+        chunks=2,
     ),
     DeadLetter(
         event_id=_id(16),

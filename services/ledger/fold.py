@@ -47,6 +47,7 @@ from schemas.events import (
     RequestFailed,
     RequestRejected,
     RequestRouted,
+    RouteDecision,
 )
 from services.ledger.pricing import PricingError, price_gpu_seconds, price_kv_transfer
 from services.ledger.tasks import UNKNOWN_STEP, TaskKind, task_key
@@ -191,6 +192,11 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
         if isinstance(event, FleetObserved):
             # Recorded in ``events`` only.
             rows.append((event.event_id, tag, None, None, event.occurred_at, *_NO_COST))
+            continue
+        if isinstance(event, RouteDecision):
+            # The router's reasoning (RequestRouted and RequestRejected carry its effects): an
+            # event row for the audit trail, no cost and no change to the request's row.
+            rows.append((event.event_id, tag, event.request_id, event.tenant, event.occurred_at, *_NO_COST))
             continue
         delta = deltas.get(event.request_id)
         if delta is None:
@@ -368,6 +374,7 @@ _TAGS: dict[type, str] = {
     for cls in (
         RequestRejected,
         RequestRouted,
+        RouteDecision,
         PrefillCompleted,
         DecodeCompleted,
         RequestFailed,
