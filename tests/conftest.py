@@ -26,6 +26,7 @@ block_size = 16
 max_prompt_tokens = 2000
 max_body_bytes = 65536
 first_token_timeout_s = 20.0
+body_read_timeout_s = 3.0
 stream_idle_timeout_s = 20.0
 
 [[models]]

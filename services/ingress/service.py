@@ -8,6 +8,7 @@ them the same way; the client reads its tokens from ``rmesh.tokens.<tenant>.<req
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -208,10 +209,21 @@ class IngressService:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise InvalidRequest(f"the request body exceeds {limit} bytes", status=413)
         body = bytearray()
-        async for part in request.stream():
-            body.extend(part)
-            if len(body) > limit:
-                raise InvalidRequest(f"the request body exceeds {limit} bytes", status=413)
+        timeout_s = self._rt.config.body_read_timeout_s
+
+        async def read() -> None:
+            async for part in request.stream():
+                body.extend(part)
+                if len(body) > limit:
+                    raise InvalidRequest(f"the request body exceeds {limit} bytes", status=413)
+
+        try:
+            # A client that dribbles its body must not hold a connection (and memory) forever.
+            await asyncio.wait_for(read(), timeout_s)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the request body was not received within {timeout_s:g} s", status=408, code="timeout"
+            ) from None
         return bytes(body)
 
     async def _serve(self, request: Request, api: Literal["chat", "completion"]) -> Response:

@@ -48,6 +48,7 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
     # A client always gets tokens or an error within these.
     first_token_timeout_s: PositiveFloat = 60.0
+    body_read_timeout_s: PositiveFloat = 10.0  # HTTP: the whole request body within this
     stream_idle_timeout_s: PositiveFloat = 30.0
     models: list[ModelConfig]
     tenants: dict[str, TenantConfig]
