@@ -78,6 +78,20 @@ class Usage(Struct, frozen=True, kw_only=True):
     cached_tokens: NonNegativeInt = 0
 
 
+class Resumption(Struct, frozen=True, kw_only=True):
+    """Where a request re-placed mid-stream (a migration) picks up its stream.
+
+    The request's `prompt_tokens` end with the `output_tokens` tokens its client has already
+    received (so the prompt proper is the first ``len(prompt_tokens) - output_tokens``), its
+    `max_tokens` is what is left to generate, and the first chunk it publishes is `next_seq`.
+    """
+
+    # How many times the request has been re-placed (1: the first time).
+    migration: PositiveInt
+    next_seq: NonNegativeInt
+    output_tokens: NonNegativeInt
+
+
 class InferenceRequest(Struct, frozen=True, kw_only=True):
     """A validated, tokenized request: what admission, router and workers act on."""
 
@@ -94,6 +108,8 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     deadline_at: float | None = None
     workflow: WorkflowRef | None = None
     submitted_at: NonNegativeFloat
+    # Set when the request was re-placed mid-stream (its worker died or was drained).
+    resumption: Resumption | None = None
 
 
 class KvHandle(Struct, frozen=True, kw_only=True):
@@ -149,6 +165,14 @@ class SubmitRequest(Event, frozen=True, kw_only=True, tag="request.submit.v1"):
     priority: PriorityClass = "standard"
     deadline_ms: PositiveInt | None = None
     workflow: WorkflowRef | None = None
+
+
+class CancelRequest(Event, frozen=True, kw_only=True, tag="request.cancel.v1"):
+    """What a client publishes to ``rmesh.req.<tenant>`` to stop one of its requests: the work
+    is dropped and its GPU freed. The tenant is the subject's; another tenant's request is not
+    touched."""
+
+    request_id: Identifier
 
 
 class RequestPrepared(Event, frozen=True, kw_only=True, tag="request.prepared.v1"):
@@ -274,6 +298,54 @@ class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):
     deadline_at: float | None = None
 
 
+class RequestCancelled(Event, frozen=True, kw_only=True, tag="request.cancelled.v1"):
+    """The client went away (HTTP disconnect) or cancelled (`CancelRequest`): workers holding the
+    request stop it and free its KV; the ledger closes it (not a success)."""
+
+    request_id: Identifier
+    tenant: Identifier
+    reason: Literal["client_disconnected", "client_cancelled"]
+    workflow_id: Identifier | None = None
+    workflow_step: PositiveInt | None = None
+    workflow_steps: PositiveInt | None = None
+    deadline_at: float | None = None
+
+
+class RequestMigrated(Event, frozen=True, kw_only=True, tag="request.migrated.v1"):
+    """A request taken from a worker that died or was drained, and placed again: its stream
+    resumes at `resume_seq` from its prompt plus the `delivered_tokens` already streamed."""
+
+    request_id: Identifier
+    tenant: Identifier
+    migration: PositiveInt
+    reason: Literal["worker_lost", "worker_drained"]
+    from_worker: Identifier
+    # The phase the lost worker held: a prefill (or aggregated) placement, or a decode.
+    from_phase: WorkerRole
+    resume_seq: NonNegativeInt
+    delivered_tokens: NonNegativeInt
+    remaining_tokens: NonNegativeInt
+    workflow_id: Identifier | None = None
+    workflow_step: PositiveInt | None = None
+    workflow_steps: PositiveInt | None = None
+    deadline_at: float | None = None
+
+
+class WorkStopped(Event, frozen=True, kw_only=True, tag="request.work_stopped.v1"):
+    """A worker stopped a request before its end and freed its KV: cancelled by its client,
+    revoked (migrated elsewhere) or cut by a drain. `gpu_seconds` is the time it spent that no
+    PrefillCompleted or DecodeCompleted reports, for the ledger to price."""
+
+    request_id: Identifier
+    tenant: Identifier
+    workflow_id: Identifier | None = None
+    worker_id: Identifier
+    gpu_type: str
+    gpu_seconds: NonNegativeFloat
+    tokens_generated: NonNegativeInt
+    reason: Literal["cancelled", "revoked", "drained"]
+
+
 class FleetObserved(Event, frozen=True, kw_only=True, tag="fleet.observed.v1"):
     """The autoscaler's view of every pool and the size it would choose for each."""
 
@@ -355,6 +427,23 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     draining: bool = False
 
 
+class WorkerControl(Event, frozen=True, kw_only=True, tag="worker.control.v1"):
+    """An order to one worker, on core NATS ``rmesh.control.<worker>``; a request with a reply
+    subject is answered with the worker's `WorkerState`.
+
+    - ``drain``: take no new work (the heartbeat says draining at once), finish what is in
+      flight within `grace_s`, hand the rest off (the router migrates it), then exit;
+    - ``revoke``: stop `request_ids` now, they were placed elsewhere;
+    - ``ping``: only answer (a liveness probe).
+    """
+
+    worker_id: Identifier
+    action: Literal["drain", "revoke", "ping"]
+    grace_s: NonNegativeFloat | None = None
+    request_ids: list[Identifier] = []
+    reason: str = ""
+
+
 class KvCacheChange(Struct, frozen=True, kw_only=True):
     kind: Literal["stored", "removed", "cleared"]
     block_hashes: list[int]
@@ -420,12 +509,18 @@ LifecycleEvent = (
     | PrefillCompleted
     | DecodeCompleted
     | RequestFailed
+    | RequestCancelled
+    | RequestMigrated
+    | WorkStopped
     | FleetObserved
 )
 TokenEvent = TokenChunk | StreamFinished | StreamFailed
 WorkItem = PrefillWork | DecodeWork
+# What clients publish on rmesh.req.<tenant>.
+ClientEvent = SubmitRequest | CancelRequest
 AnyEvent = (
     SubmitRequest
+    | CancelRequest
     | RequestPrepared
     | RequestAdmitted
     | PrefillWork
@@ -436,11 +531,15 @@ AnyEvent = (
     | PrefillCompleted
     | DecodeCompleted
     | RequestFailed
+    | RequestCancelled
+    | RequestMigrated
+    | WorkStopped
     | FleetObserved
     | TokenChunk
     | StreamFinished
     | StreamFailed
     | WorkerState
+    | WorkerControl
     | KvEvents
     | KvDump
     | DeadLetter

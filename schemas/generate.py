@@ -42,7 +42,7 @@ EVENTS_SCHEMA_PATH = "jsonschema/events.json"
 ASYNCAPI_PATH = "asyncapi.json"
 
 # The version of the AsyncAPI document; bump it when the contract changes (a new event tag).
-API_VERSION = "1.1.0"
+API_VERSION = "1.2.0"
 CONTENT_TYPE = "application/json"
 HEADERS_SCHEMA = "NatsHeaders"
 
@@ -172,12 +172,14 @@ def channels() -> tuple[Channel, ...]:
             id="requests",
             address=subjects.request_subject(_param("tenant")),
             title="Submitted requests",
-            description="What NATS clients submit for their tenant; the tenant is the subject's.",
-            messages=(events.SubmitRequest,),
+            description="What NATS clients submit for their tenant, and their cancellations; the "
+            "tenant is the subject's.",
+            messages=(events.SubmitRequest, events.CancelRequest),
             parameters={"tenant": _TENANT},
-            publishers="Clients (the NATS API) publish a SubmitRequest on their tenant's subject.",
-            consumers="Ingress (durable `ingress`) validates and tokenizes it into a "
-            "RequestPrepared, or rejects it.",
+            publishers="Clients (the NATS API) publish a SubmitRequest on their tenant's subject, "
+            "and a CancelRequest to stop one of their requests.",
+            consumers="Ingress (durable `ingress`) validates and tokenizes a submission into a "
+            "RequestPrepared, or rejects it; it turns a cancellation into a RequestCancelled.",
         ),
         Channel(
             id="prepared",
@@ -260,10 +262,13 @@ def channels() -> tuple[Channel, ...]:
             publishers="Ingress, admission and the router publish rejections and routing "
             "decisions (RequestRouted, and a RouteDecision for every decision, with its "
             "predictions); prefill/decode workers completions and failures; the autoscaler its "
-            "fleet view.",
+            "fleet view. Ingress publishes RequestCancelled (client gone or cancelled), the "
+            "router RequestMigrated (a request re-placed off a lost or drained worker), workers "
+            "WorkStopped (a request stopped early, with the GPU time it spent).",
             consumers="The ledger (durable `ledger`) prices each request and task from them; "
             "the stream is also the audit log. Router replicas read each other's RouteDecisions "
-            "and the PrefillCompleted events (core subscriptions) for load and prediction error.",
+            "and the PrefillCompleted events (core subscriptions) for load and prediction error. "
+            "Workers read RequestCancelled (core subscription) to stop the request at once.",
         ),
         Channel(
             id="deadLetters",
@@ -318,6 +323,20 @@ def channels() -> tuple[Channel, ...]:
             parameters={"worker": _WORKER},
             publishers="The worker, in reply to a request.",
             consumers="Routers, on start-up and on a gap in a worker's KvEvents.",
+            core=True,
+        ),
+        Channel(
+            id="workerControl",
+            address=subjects.control_subject(_param("worker")),
+            title="Worker control",
+            description="Orders to one worker: drain (no new work, finish or hand off, exit), "
+            "revoke (stop requests migrated elsewhere), ping (liveness probe). A request with a "
+            "reply subject is answered with the worker's WorkerState.",
+            messages=(events.WorkerControl,),
+            parameters={"worker": _WORKER},
+            publishers="Operators (`ripplemesh drain`), the autoscaler on scale-down, and routers "
+            "(revoke after a migration; ping when a heartbeat is late).",
+            consumers="The worker it names.",
             core=True,
         ),
     )

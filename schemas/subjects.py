@@ -37,6 +37,16 @@ def tokens_subject(tenant: str, request_id: str) -> str:
     return f"{PREFIX}.tokens.{tenant}.{request_id}"
 
 
+def tenant_tokens_filter(tenant: str) -> str:
+    """Every token subject of one tenant: what its NATS user may subscribe to."""
+    return f"{PREFIX}.tokens.{tenant}.>"
+
+
+def tenant_inbox_prefix(tenant: str) -> str:
+    """A tenant client's inbox prefix, so that its user may read its own replies and no one else's."""
+    return f"_INBOX_{tenant}"
+
+
 def event_subject(kind: str) -> str:
     return f"{PREFIX}.events.{kind}"
 
@@ -56,6 +66,7 @@ def kv_dump_subject(worker_id: str) -> str:
 
 
 def control_subject(worker_id: str) -> str:
+    """Orders to one worker (`WorkerControl`: drain, revoke, ping), core NATS request/reply."""
     return f"{PREFIX}.control.{worker_id}"
 
 
@@ -75,6 +86,9 @@ EVENT_KINDS: dict[str, str] = {
     "request.prefill_completed.v1": "prefill_completed",
     "request.decode_completed.v1": "decode_completed",
     "request.failed.v1": "failed",
+    "request.cancelled.v1": "cancelled",
+    "request.migrated.v1": "migrated",
+    "request.work_stopped.v1": "work_stopped",
     "fleet.observed.v1": "fleet",
 }
 

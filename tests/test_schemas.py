@@ -105,6 +105,7 @@ VALUES: list[events.Struct] = [
     events.KvCacheChange(kind="stored", block_hashes=[11, 12]),
     CHOSEN,
     events.KvDumpRequest(max_blocks=32768),
+    events.Resumption(migration=1, next_seq=41, output_tokens=57),
     # The ledger's value in the WORKFLOW_SPEND KV bucket.
     events.WorkflowSpend(
         workflow_id="wf-1",
@@ -138,8 +139,17 @@ SAMPLES: list[Event] = [
         deadline_ms=30000,
         workflow=WORKFLOW,
     ),
+    events.CancelRequest(event_id=_id(20), occurred_at=NOW, request_id="req-1"),
     RequestPrepared(event_id=_id(2), occurred_at=NOW, request=REQUEST),
-    RequestAdmitted(event_id=_id(3), occurred_at=NOW, request=REQUEST, waited_s=0.05),
+    # A request re-placed mid-stream (a migration) is admitted again with its resumption.
+    RequestAdmitted(
+        event_id=_id(3),
+        occurred_at=NOW,
+        request=msgspec.structs.replace(
+            REQUEST, resumption=events.Resumption(migration=1, next_seq=41, output_tokens=57)
+        ),
+        waited_s=0.05,
+    ),
     PrefillWork(
         event_id=_id(4),
         occurred_at=NOW,
@@ -253,6 +263,46 @@ SAMPLES: list[Event] = [
         workflow_steps=5,
         deadline_at=NOW + 30.0,
     ),
+    events.RequestCancelled(
+        event_id=_id(21),
+        occurred_at=NOW,
+        request_id="req-1",
+        tenant="acme",
+        reason="client_disconnected",
+        workflow_id="wf-1",
+        workflow_step=2,
+        workflow_steps=5,
+        deadline_at=NOW + 30.0,
+    ),
+    events.RequestMigrated(
+        event_id=_id(22),
+        occurred_at=NOW,
+        request_id="req-1",
+        tenant="acme",
+        migration=1,
+        reason="worker_lost",
+        from_worker="decode-1",
+        from_phase="decode",
+        resume_seq=41,
+        delivered_tokens=57,
+        remaining_tokens=7,
+        workflow_id="wf-1",
+        workflow_step=2,
+        workflow_steps=5,
+        deadline_at=NOW + 30.0,
+    ),
+    events.WorkStopped(
+        event_id=_id(23),
+        occurred_at=NOW,
+        request_id="req-1",
+        tenant="acme",
+        workflow_id="wf-1",
+        worker_id="decode-1",
+        gpu_type="H200",
+        gpu_seconds=0.8,
+        tokens_generated=31,
+        reason="cancelled",
+    ),
     FleetObserved(event_id=_id(11), occurred_at=NOW, pools=[POOL]),
     TokenChunk(
         event_id=_id(12),
@@ -299,6 +349,14 @@ SAMPLES: list[Event] = [
         tokens_per_s=2500.0,
         started_at=NOW - 3600,
         draining=True,
+    ),
+    events.WorkerControl(
+        event_id=_id(24),
+        occurred_at=NOW,
+        worker_id="decode-1",
+        action="drain",
+        grace_s=30.0,
+        reason="scale-down",
     ),
     events.KvEvents(
         event_id=_id(17),
@@ -501,7 +559,7 @@ def test_decoding_is_strict(mutate: Any) -> None:
 
 
 def test_decoding_rejects_bad_nested_values() -> None:
-    raw = msgspec.to_builtins(SAMPLES[1])
+    raw = msgspec.to_builtins(next(e for e in SAMPLES if isinstance(e, RequestPrepared)))
     raw["request"]["priority"] = "urgent"
     with pytest.raises(msgspec.ValidationError):
         decode_event(json.dumps(raw).encode())

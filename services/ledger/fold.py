@@ -44,17 +44,20 @@ from schemas.events import (
     FleetObserved,
     LifecycleEvent,
     PrefillCompleted,
+    RequestCancelled,
     RequestFailed,
+    RequestMigrated,
     RequestRejected,
     RequestRouted,
     RouteDecision,
+    WorkStopped,
 )
 from services.ledger.pricing import PricingError, price_gpu_seconds, price_kv_transfer
 from services.ledger.tasks import UNKNOWN_STEP, TaskKind, task_key
 
 Status = Literal["running", "completed", "failed", "rejected"]
 # The events that tell a step's outcome.
-_StepEvent = DecodeCompleted | RequestFailed | RequestRejected
+_StepEvent = DecodeCompleted | RequestFailed | RequestRejected | RequestCancelled
 
 
 @dataclass(slots=True)
@@ -285,8 +288,56 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
                     kv_cost if kv_bytes is not None else None,
                 )
             )
-        else:  # RequestFailed | RequestRejected: the request's step failed
-            delta.status = _unless_completed(delta.status, "failed" if tag == _FAILED else "rejected")
+        elif isinstance(event, WorkStopped):
+            # GPU time of a request stopped early (cancelled, revoked, drained): spent on the
+            # request and its task, by the worker; the request's status is the cancellation's
+            # or the migration's outcome, not this report's.
+            cost = _price(event, prices, errors)
+            seconds = event.gpu_seconds if _is_duration(event.gpu_seconds) else 0.0
+            delta.decode_gpu_seconds += seconds
+            delta.decode_cost_usd += cost or 0.0
+            task.gpu_seconds += seconds
+            task.gpu_cost_usd += cost or 0.0
+            busy = workers.get(event.worker_id)
+            if busy is None:
+                busy = workers[event.worker_id] = WorkerBusy(event.worker_id, event.gpu_type)
+            busy.busy_gpu_seconds += seconds
+            busy.busy_cost_usd += cost or 0.0
+            rows.append(
+                (
+                    event.event_id,
+                    tag,
+                    event.request_id,
+                    event.tenant,
+                    event.occurred_at,
+                    key,
+                    event.worker_id,
+                    event.gpu_type,
+                    seconds,
+                    cost,
+                    None,
+                    None,
+                )
+            )
+        elif isinstance(event, RequestMigrated):
+            # A migration counts against its task (an event row with the task's key and the
+            # worker it left); the re-prefill's GPU time comes with its own PrefillCompleted.
+            rows.append(
+                (
+                    event.event_id,
+                    tag,
+                    event.request_id,
+                    event.tenant,
+                    event.occurred_at,
+                    key,
+                    event.from_worker,
+                    *_NO_TASK_COST,
+                )
+            )
+        else:  # RequestFailed | RequestRejected | RequestCancelled: the request's step failed
+            # A cancelled request is no success: it fails its task, and what it spent is waste.
+            new_status: Status = "rejected" if isinstance(event, RequestRejected) else "failed"
+            delta.status = _unless_completed(delta.status, new_status)
             task.failures += 1
             task.max_failed_step = max(task.max_failed_step, _step_of(event, workflow_id, UNKNOWN_STEP))
             task.steps = _max_steps(task.steps, _steps_of(event, workflow_id))
@@ -350,12 +401,19 @@ def _max_steps(a: int | None, b: int | None) -> int | None:
 
 
 def _know_workflow(
-    delta: RequestDelta, event: PrefillCompleted | DecodeCompleted | RequestFailed | RequestRejected
+    delta: RequestDelta,
+    event: PrefillCompleted
+    | DecodeCompleted
+    | RequestFailed
+    | RequestRejected
+    | RequestCancelled
+    | RequestMigrated
+    | WorkStopped,
 ) -> None:
     """The request's workflow, step and deadline: the first known (the row's, once it has them)."""
     if delta.workflow_id is None:
         delta.workflow_id = event.workflow_id
-    if isinstance(event, PrefillCompleted):
+    if isinstance(event, PrefillCompleted | WorkStopped):
         return
     if delta.workflow_step is None:
         delta.workflow_step = event.workflow_step
@@ -378,10 +436,12 @@ _TAGS: dict[type, str] = {
         PrefillCompleted,
         DecodeCompleted,
         RequestFailed,
+        RequestCancelled,
+        RequestMigrated,
+        WorkStopped,
         FleetObserved,
     )
 }
-_FAILED = _TAGS[RequestFailed]
 # An event row's task and cost columns for an event that carries no GPU time (and with a task).
 _NO_COST: tuple[None, None, None, None, None, None, None] = (None,) * 7
 _NO_TASK_COST: tuple[None, None, None, None, None] = (None,) * 5
@@ -405,13 +465,15 @@ def _price_kv(event: DecodeCompleted, usd_per_gb: float, errors: list[PricingFai
 
 
 def _price(
-    event: PrefillCompleted | DecodeCompleted, prices: Mapping[str, float], errors: list[PricingFailure]
+    event: PrefillCompleted | DecodeCompleted | WorkStopped,
+    prices: Mapping[str, float],
+    errors: list[PricingFailure],
 ) -> float | None:
     """The event's cost; on a pricing error, None and the reason appended to `errors`."""
     try:
         return price_gpu_seconds(event.gpu_type, event.gpu_seconds, prices)
     except PricingError as exc:
-        phase = "prefill" if isinstance(event, PrefillCompleted) else "decode"
+        phase = {PrefillCompleted: "prefill", DecodeCompleted: "decode"}.get(type(event), "stopped work")
         errors.append(
             PricingFailure(
                 event_id=event.event_id,
