@@ -175,6 +175,16 @@ class CancelRequest(Event, frozen=True, kw_only=True, tag="request.cancel.v1"):
     request_id: Identifier
 
 
+class ReplayTokens(Event, frozen=True, kw_only=True, tag="request.replay.v1"):
+    """What a client publishes to ``rmesh.req.<tenant>`` when it missed some of a request's
+    token events (a reconnect to another node): ingress publishes again, on the request's token
+    subject, every stored event from `from_seq` on. A tenant's NATS user has no JetStream API
+    of its own, so this is how it reads back its stream. The tenant is the subject's."""
+
+    request_id: Identifier
+    from_seq: NonNegativeInt = 0
+
+
 class RequestPrepared(Event, frozen=True, kw_only=True, tag="request.prepared.v1"):
     request: InferenceRequest
 
@@ -517,10 +527,11 @@ LifecycleEvent = (
 TokenEvent = TokenChunk | StreamFinished | StreamFailed
 WorkItem = PrefillWork | DecodeWork
 # What clients publish on rmesh.req.<tenant>.
-ClientEvent = SubmitRequest | CancelRequest
+ClientEvent = SubmitRequest | CancelRequest | ReplayTokens
 AnyEvent = (
     SubmitRequest
     | CancelRequest
+    | ReplayTokens
     | RequestPrepared
     | RequestAdmitted
     | PrefillWork

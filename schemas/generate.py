@@ -174,12 +174,14 @@ def channels() -> tuple[Channel, ...]:
             title="Submitted requests",
             description="What NATS clients submit for their tenant, and their cancellations; the "
             "tenant is the subject's.",
-            messages=(events.SubmitRequest, events.CancelRequest),
+            messages=(events.SubmitRequest, events.CancelRequest, events.ReplayTokens),
             parameters={"tenant": _TENANT},
             publishers="Clients (the NATS API) publish a SubmitRequest on their tenant's subject, "
-            "and a CancelRequest to stop one of their requests.",
+            "a CancelRequest to stop one of their requests, and a ReplayTokens to have the token "
+            "events they missed published again.",
             consumers="Ingress (durable `ingress`) validates and tokenizes a submission into a "
-            "RequestPrepared, or rejects it; it turns a cancellation into a RequestCancelled.",
+            "RequestPrepared, or rejects it; it turns a cancellation into a RequestCancelled, "
+            "and answers a ReplayTokens by publishing the stored token events again.",
         ),
         Channel(
             id="prepared",

@@ -140,6 +140,7 @@ SAMPLES: list[Event] = [
         workflow=WORKFLOW,
     ),
     events.CancelRequest(event_id=_id(20), occurred_at=NOW, request_id="req-1"),
+    events.ReplayTokens(event_id=_id(40), occurred_at=NOW, request_id="req-1", from_seq=7),
     RequestPrepared(event_id=_id(2), occurred_at=NOW, request=REQUEST),
     # A request re-placed mid-stream (a migration) is admitted again with its resumption.
     RequestAdmitted(
