@@ -6,7 +6,8 @@ delivery (lost, duplicated, reordered batches; late, stale and repeated dumps; w
 restarted, or sending a wrong block size or model), the index must hold, for every worker it
 tracks, exactly the worker's cache as of the batch `index.seq(worker)` it reports, and answer
 every prefix query from that; once every batch is delivered and at most one dump, it must be
-current.
+current. A restarted worker numbers its batches from 1 again: batches and dumps of an earlier
+incarnation, delivered late, must never be taken for the new one's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ def brute_overlap(blocks: frozenset[int] | set[int], request: list[int]) -> int:
 
 
 def events(
-    worker: str, seq: int, *changes: tuple[str, list[int]], model: str = MODEL, bs: int = BLOCK_SIZE
+    worker: str,
+    seq: int,
+    *changes: tuple[str, list[int]],
+    model: str = MODEL,
+    bs: int = BLOCK_SIZE,
+    started_at: float | None = None,
 ) -> KvEvents:
     return KvEvents(
         event_id=f"{worker}-{seq}",
@@ -45,11 +51,18 @@ def events(
         block_size=bs,
         seq=seq,
         changes=[KvCacheChange(kind=kind, block_hashes=hashes) for kind, hashes in changes],  # type: ignore[arg-type]
+        started_at=started_at,
     )
 
 
 def dump(
-    worker: str, seq: int, hashes: set[int] | frozenset[int], *, model: str = MODEL, bs: int = BLOCK_SIZE
+    worker: str,
+    seq: int,
+    hashes: set[int] | frozenset[int],
+    *,
+    model: str = MODEL,
+    bs: int = BLOCK_SIZE,
+    started_at: float | None = None,
 ) -> KvDump:
     return KvDump(
         event_id=f"{worker}-dump-{seq}",
@@ -59,6 +72,7 @@ def dump(
         block_size=bs,
         seq=seq,
         block_hashes=sorted(hashes),
+        started_at=started_at,
     )
 
 
@@ -121,6 +135,27 @@ def test_mismatched_block_size_or_model_is_never_indexed() -> None:
     # Wrong block size from an unknown worker: tracked (so it gets a dump), nothing held.
     assert index.apply(events("x", 1, ("stored", [1]), bs=8)) is Outcome.MISMATCH
     assert index.needs_dump("x") and index.pending("x") == 0
+    index.check_invariants()
+
+
+def test_a_restarted_worker_is_never_mixed_with_its_previous_incarnation() -> None:
+    index = KvIndex(BLOCK_SIZE)
+    index.apply_dump(dump("w", 0, set(), started_at=100.0))
+    assert index.apply(events("w", 1, ("stored", [1, 2]), started_at=100.0)) is Outcome.APPLIED
+    assert index.apply(events("w", 2, ("stored", [3]), started_at=100.0)) is Outcome.APPLIED
+    # The process restarts (empty cache) before the router sees its heartbeat: its batch 1 is not
+    # a duplicate of the old batch 1 but a new incarnation, so the old blocks go.
+    assert index.apply(events("w", 1, ("stored", [7]), started_at=200.0)) is Outcome.RESTARTED
+    assert index.blocks_of("w") == set() and index.needs_dump("w") and index.started_at("w") == 200.0
+    # A late batch and a late dump of the old incarnation change nothing.
+    assert index.apply(events("w", 3, ("stored", [4]), started_at=100.0)) is Outcome.SUPERSEDED
+    assert index.apply_dump(dump("w", 3, {1, 2, 3, 4}, started_at=100.0)) is Outcome.SUPERSEDED
+    assert index.apply_dump(dump("w", 0, set(), started_at=200.0)) is Outcome.APPLIED
+    assert index.blocks_of("w") == {7} and index.seq("w") == 1 and index.synced("w")
+    # A dump of a newer incarnation replaces everything, held batches of the older one included.
+    assert index.apply(events("w", 3, ("stored", [8]), started_at=200.0)) is Outcome.GAP
+    assert index.apply_dump(dump("w", 0, {9}, started_at=300.0)) is Outcome.APPLIED
+    assert index.blocks_of("w") == {9} and index.synced("w") and index.pending("w") == 0
     index.check_invariants()
 
 
@@ -193,6 +228,7 @@ def test_predicted_cached_tokens_leaves_one_token_to_compute() -> None:
 @dataclass
 class SimWorker:
     name: str
+    started_at: float = 1.0  # the incarnation
     truth: list[frozenset[int]] = field(default_factory=lambda: [frozenset()])
     batches: list[KvEvents] = field(default_factory=list)
     inflight: list[KvEvents] = field(default_factory=list)
@@ -222,27 +258,32 @@ class SimWorker:
             else:
                 blocks.clear()
                 changes.append(("cleared", []))
-        batch = events(self.name, self.seq + 1, *changes)
+        batch = events(self.name, self.seq + 1, *changes, started_at=self.started_at)
         self.batches.append(batch)
         self.truth.append(frozenset(blocks))
         self.inflight.append(batch)
 
     def take_dump(self) -> KvDump:
-        return dump(self.name, self.seq, self.truth[-1])
+        return dump(self.name, self.seq, self.truth[-1], started_at=self.started_at)
 
 
 OPS = (
     ["publish"] * 6
     + ["deliver"] * 6
     + ["deliver_any", "lose", "duplicate", "take_dump", "take_dump", "deliver_dump", "deliver_dump"]
-    + ["die", "restart", "bogus"]
+    + ["die", "restart", "bogus", "late"]
 )
 
 
-def check(index: KvIndex, workers: dict[str, SimWorker], rng: random.Random) -> None:
+def check(index: KvIndex, incarnations: dict[tuple[str, float], SimWorker], rng: random.Random) -> None:
+    """Every tracked worker's blocks are exactly its cache, in the incarnation and as of the batch
+    the index reports; prefix queries answer from that."""
     index.check_invariants()
+    truth: dict[str, frozenset[int]] = {}
     for name in index.worker_ids:
-        sim = workers[name]
+        started_at = index.started_at(name)
+        assert started_at is not None
+        sim = incarnations[(name, started_at)]
         seq = index.seq(name)
         if seq is None:
             assert index.blocks_of(name) == set()
@@ -250,12 +291,12 @@ def check(index: KvIndex, workers: dict[str, SimWorker], rng: random.Random) -> 
             assert seq <= sim.seq
             assert index.blocks_of(name) == sim.truth[seq], (name, seq)
         assert index.block_count(name) == len(index.blocks_of(name))
+        truth[name] = sim.truth[seq] if seq is not None else frozenset()
     for _ in range(4):
         request = [rng.randrange(UNIVERSE) for _ in range(rng.randint(1, 8))]
         expected = {}
         for name in index.worker_ids:
-            seq = index.seq(name)
-            reference = workers[name].truth[seq] if seq is not None else frozenset()
+            reference = truth[name]
             matched = brute_overlap(reference, request)
             assert index.overlap(name, request) == matched
             if matched:
@@ -269,6 +310,9 @@ def test_index_matches_the_reference_under_random_delivery(seed: int, steps: int
     rng = random.Random(seed)
     index = KvIndex(BLOCK_SIZE, max_pending=rng.choice([4, 1024]))
     workers = {f"w{i}": SimWorker(f"w{i}") for i in range(n_workers)}
+    incarnations = {(sim.name, sim.started_at): sim for sim in workers.values()}
+    # Batches and dumps of earlier incarnations, still on their way.
+    late: list[KvEvents | KvDump] = []
     for _ in range(steps):
         sim = workers[rng.choice(sorted(workers))]
         op = rng.choice(OPS)
@@ -287,9 +331,10 @@ def test_index_matches_the_reference_under_random_delivery(seed: int, steps: int
             sim.dumps.append(sim.take_dump())
         elif op == "deliver_dump" and sim.dumps:
             before = index.seq(sim.name)
+            same_incarnation = index.started_at(sim.name) == sim.started_at
             d = sim.dumps.pop(rng.randrange(len(sim.dumps)))
             outcome = index.apply_dump(d)
-            if before is not None and d.seq < before:
+            if before is not None and same_incarnation and d.seq < before:
                 assert outcome is Outcome.STALE
             else:
                 # A held bogus batch for another model resets the worker when the dump reveals it.
@@ -297,20 +342,37 @@ def test_index_matches_the_reference_under_random_delivery(seed: int, steps: int
         elif op == "die":
             index.drop_worker(sim.name)
         elif op == "restart":
-            # A new incarnation: the router sees its new heartbeat and starts it from nothing.
-            workers[sim.name] = SimWorker(sim.name)
-            index.resync(sim.name, model=MODEL)
+            # A new incarnation, its batches numbered from 1 again. The router sees its new
+            # heartbeat (and starts it from nothing) or, first, one of its batches or dumps.
+            late.extend([*sim.inflight, *sim.dumps])
+            new = workers[sim.name] = SimWorker(sim.name, started_at=sim.started_at + 1.0)
+            incarnations[(new.name, new.started_at)] = new
+            if rng.random() < 0.5:
+                index.resync(sim.name, model=MODEL, started_at=new.started_at)
+        elif op == "late" and late:
+            message = late.pop(rng.randrange(len(late)))
+            tracked = index.started_at(message.worker_id)
+            if isinstance(message, KvDump):
+                outcome = index.apply_dump(message)
+            else:
+                outcome = index.apply(message)
+            if tracked is not None and message.started_at is not None and message.started_at < tracked:
+                assert outcome is Outcome.SUPERSEDED
         elif op == "bogus":
             if rng.random() < 0.5:
-                bogus = events(sim.name, sim.seq + 1, ("stored", [1]), bs=BLOCK_SIZE * 2)
+                bogus = events(
+                    sim.name, sim.seq + 1, ("stored", [1]), bs=BLOCK_SIZE * 2, started_at=sim.started_at
+                )
                 assert index.apply(bogus) is Outcome.MISMATCH
             else:
                 # Another model: refused at once if the index knows the worker's model, else held.
-                bogus = events(sim.name, sim.seq + 1, ("stored", [1]), model="other-model")
+                bogus = events(
+                    sim.name, sim.seq + 1, ("stored", [1]), model="other-model", started_at=sim.started_at
+                )
                 outcome = index.apply(bogus)
                 assert outcome is not Outcome.APPLIED
                 sim.tainted = sim.tainted or outcome is not Outcome.MISMATCH
-        check(index, workers, rng)
+        check(index, incarnations, rng)
 
     # Liveness: a last batch (so a lost tail shows as a gap) and every batch still in flight
     # delivered in order, then at most one dump, and the index is current.
@@ -326,9 +388,9 @@ def test_index_matches_the_reference_under_random_delivery(seed: int, steps: int
                 outcome = index.apply_dump(sim.take_dump())
             assert outcome is Outcome.APPLIED
         assert index.synced(sim.name) and not index.needs_dump(sim.name)
-        assert index.seq(sim.name) == sim.seq
+        assert index.seq(sim.name) == sim.seq and index.started_at(sim.name) == sim.started_at
         assert index.blocks_of(sim.name) == sim.truth[-1]
-    check(index, workers, rng)
+    check(index, incarnations, rng)
 
 
 @settings(max_examples=100, deadline=None)

@@ -10,9 +10,11 @@ import random
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -21,9 +23,17 @@ from prometheus_client import REGISTRY
 from ripplemesh.client import MeshClient
 from ripplemesh.launcher import Mesh
 from ripplemesh.traces import load_request_trace
-from schemas.events import KvCacheChange, KvDump, KvEvents, WorkerState, encode_event
+from schemas.events import InferenceRequest, KvCacheChange, KvDump, KvEvents, WorkerState, encode_event
 from schemas.subjects import kv_dump_subject, kv_subject
+from services.engines.base import RealClock
+from services.engines.host import EngineHost
+from services.engines.sim.engine import SimEngine
+from services.mesh import kv_dump
+from services.mesh.block_hash import chain_block_hashes
 from services.mesh.bus import Bus
+from services.mesh.config import load_config
+from services.mesh.embedded_nats import EmbeddedNats
+from services.mesh.runtime import Runtime, ServiceOptions
 from services.router.kv_index import KvIndex
 from services.router.kv_sync import KvSync
 from tests.conftest import wait_until
@@ -81,6 +91,7 @@ class FakeWorker:
             block_size=self.block_size,
             seq=self.seq,
             changes=changes,
+            started_at=self.started_at,
         )
 
     async def flush(self, *, lose: bool = False) -> KvEvents | None:
@@ -103,6 +114,7 @@ class FakeWorker:
             block_size=self.block_size,
             seq=self.seq,
             block_hashes=sorted(self.blocks),
+            started_at=self.started_at,
         )
         if batch is not None:
             await self.nc.publish(kv_subject(self.worker_id), encode_event(batch))
@@ -256,7 +268,25 @@ async def test_unknown_silent_dead_and_restarted_workers(bus: Bus) -> None:
         await worker.stop()
         await restarted.start()
         restarted.store(7)
-        await restarted.flush()  # seq 1 again: a duplicate for the old incarnation's index
+        # Its batch 1 (numbered from 1 again) comes before its heartbeat: a new incarnation, not
+        # a duplicate of the old batch 1; the old blocks go and a dump brings the new ones.
+        restarted_before = counted("ripplemesh_router_kv_events_total", "restarted")
+        await restarted.flush()
+        await eventually(lambda: current(index, restarted))
+        assert index.blocks_of(worker.worker_id) == {7}
+        assert counted("ripplemesh_router_kv_events_total", "restarted") >= restarted_before + 1
+        # A late batch of the old incarnation changes nothing.
+        stale = KvEvents(
+            event_id="late",
+            occurred_at=time.time(),
+            worker_id=worker.worker_id,
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+            seq=restarted.seq + 1,
+            changes=[KvCacheChange(kind="stored", block_hashes=[66])],
+            started_at=worker.started_at,
+        )
+        await bus.nc.publish(kv_subject(worker.worker_id), encode_event(stale))
         sync.observe(restarted.heartbeat())
         await eventually(lambda: current(index, restarted))
         assert index.blocks_of(worker.worker_id) == {7}
@@ -311,6 +341,125 @@ async def test_dump_failures_back_off_and_recover(bus: Bus, sync: KvSync) -> Non
     assert index.excluded(mismatched.worker_id) and index.overlaps([8]) == {}
     await worker.stop()
     await mismatched.stop()
+
+
+# ---------------------------------------------------------------- dumps in chunks
+
+
+def test_a_dump_splits_and_reassembles_and_mixed_chunks_are_refused() -> None:
+    whole = KvDump(
+        event_id="d",
+        occurred_at=1.0,
+        worker_id="w",
+        model=MODEL,
+        block_size=BLOCK_SIZE,
+        seq=9,
+        block_hashes=list(range(10)),
+        started_at=5.0,
+    )
+    chunks = kv_dump.split(whole, 4)
+    assert [c.block_hashes for c in chunks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert {(c.chunk, c.chunks) for c in chunks} == {(0, 3), (1, 3), (2, 3)}
+    # Any order, duplicates ignored.
+    assembled = kv_dump.assemble([chunks[2], chunks[0], chunks[2], chunks[1]])
+    assert msgspec.structs.replace(assembled, event_id=whole.event_id) == whole
+    assert kv_dump.split(msgspec.structs.replace(whole, block_hashes=[]), 4)[0].chunks == 1
+    incomplete = kv_dump.Assembler()
+    incomplete.add(chunks[0])
+    assert not incomplete.complete
+    with pytest.raises(kv_dump.DumpError):
+        incomplete.dump()
+    other_seq = msgspec.structs.replace(chunks[1], seq=10)
+    with pytest.raises(kv_dump.DumpError, match="does not belong"):
+        kv_dump.assemble([chunks[0], other_seq])
+    with pytest.raises(kv_dump.DumpError):
+        kv_dump.assemble([msgspec.structs.replace(chunks[0], chunk=3)])
+    # One message of 1 MiB holds about 50,000 hashes; a full-size hash takes 20 bytes in JSON.
+    assert 45_000 < kv_dump.max_blocks_for(1024 * 1024) < 50_000
+    full = msgspec.structs.replace(whole, block_hashes=[2**63 - 1] * kv_dump.max_blocks_for(1024 * 1024))
+    assert len(encode_event(full)) <= 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """A NATS server of this module's own: no mesh's router sees these workers."""
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats-kv")).start()
+    yield server
+    server.stop()
+
+
+async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
+    own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
+) -> None:
+    """A real engine host (sim engine) holding 127,500 blocks: one reply would exceed the
+    server's 1 MiB payload limit; the router's KvSync gets every block, in chunks."""
+    bus = await Bus.connect(own_nats.url, "kv-dump-test")
+    await bus.provision()
+    config = load_config(test_config)
+    runtime = Runtime("prefill", ServiceOptions(nats_url=own_nats.url, data_dir=tmp_path, config=config), bus)
+    engine = SimEngine(
+        model=MODEL,
+        block_size=BLOCK_SIZE,
+        clock=RealClock(0.0),
+        kv_capacity_tokens=2_100_000,
+        max_context_tokens=4096,
+    )
+    host = EngineHost(runtime, engine, worker_id=worker_name("big"), role="prefill", pool="test")
+    index = KvIndex(BLOCK_SIZE)
+    sync = KvSync(bus.nc, index, dump_timeout_s=5.0, liveness_s=60.0)
+    task: asyncio.Task[None] | None = None
+    try:
+        await host.start()
+        rng = random.Random(7)
+
+        async def prefill(i: int) -> None:
+            tokens = [rng.randrange(1000) for _ in range(4000)]
+            request = InferenceRequest(
+                request_id=f"fill-{i}",
+                tenant="acme",
+                model=MODEL,
+                api="nats",
+                prompt_tokens=tokens,
+                block_size=BLOCK_SIZE,
+                block_hashes=chain_block_hashes(tokens, BLOCK_SIZE, model=MODEL),
+                max_tokens=1,
+                submitted_at=time.time(),
+            )
+            await engine.prefill(request)
+            engine.release(request.request_id)
+
+        for start in range(0, 510, 30):
+            await asyncio.gather(*(prefill(i) for i in range(start, start + 30)))
+        cached = set(engine.cached_block_hashes())
+        assert len(cached) > 100_000
+        whole = KvDump(
+            event_id="x",
+            occurred_at=time.time(),
+            worker_id=host.worker_id,
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+            seq=host.kv_seq,
+            block_hashes=sorted(cached),
+            started_at=host.started_at,
+        )
+        assert len(encode_event(whole)) > bus.nc.max_payload  # one reply could not carry it
+        await asyncio.sleep(0.2)  # the fill's batches go out before the reader subscribes
+
+        applied = counted("ripplemesh_router_kv_dumps_total", "applied")
+        task = asyncio.create_task(sync.run())
+        await asyncio.wait_for(sync.subscribed.wait(), 5)
+        sync.observe(host.state())  # discovery: the index knows nothing of it, so it asks for a dump
+        await eventually(lambda: index.synced(host.worker_id) and index.block_count(host.worker_id) > 0, 20)
+        assert index.blocks_of(host.worker_id) == cached
+        assert index.started_at(host.worker_id) == host.started_at
+        assert counted("ripplemesh_router_kv_dumps_total", "applied") == applied + 1
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await host.stop()
+        await runtime.cancel_tasks()
+        await bus.close()
 
 
 # ---------------------------------------------------------------- in the mesh

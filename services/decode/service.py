@@ -76,7 +76,9 @@ class DecodeService:
         host = self.host
         assert host is not None
         try:
-            result = await host.prefill(work.request, work.event_id)
+            result = await host.prefill(
+                work.request, work.event_id, routed_at=work.occurred_at, prediction=work.prediction
+            )
         except EngineError as exc:
             await host.fail(work.request, 0, exc, work.event_id)
             return

@@ -29,6 +29,7 @@ from schemas.events import (
     KvHandle,
     PrefillCompleted,
     RequestFailed,
+    RouteOption,
     StreamFailed,
     StreamFinished,
     TokenChunk,
@@ -45,6 +46,7 @@ from schemas.subjects import (
     tokens_subject,
 )
 from services.engines.base import Engine, EngineError, PrefillResult
+from services.mesh import kv_dump
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import REQUEST_ID, tracer
 
@@ -153,6 +155,7 @@ class EngineHost:
             block_size=info.block_size,
             seq=self.kv_seq,
             changes=[KvCacheChange(kind=c.kind, block_hashes=list(c.block_hashes)) for c in changes],
+            started_at=self.started_at,
         )
 
     async def publish_kv_events(self) -> None:
@@ -161,6 +164,14 @@ class EngineHost:
             await self.runtime.bus.nc.publish(kv_subject(self.worker_id), encode_event(batch))
 
     async def _on_kv_dump_request(self, msg: Msg) -> None:
+        """Answer with the whole cache as of the latest batch, in chunks that fit in a message
+        (as many blocks per chunk as the reader asked for, at most; one message if it did not)."""
+        nc = self.runtime.bus.nc
+        try:
+            asked = kv_dump.decode_request(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("bad KV dump request: answering in one message", extra={"error": str(exc)})
+            asked = None
         batch = self._next_kv_batch()
         info = self.engine.info
         dump = KvDump(
@@ -171,11 +182,21 @@ class EngineHost:
             block_size=info.block_size,
             seq=self.kv_seq,
             block_hashes=self.engine.cached_block_hashes(),
+            started_at=self.started_at,
         )
         if batch is not None:
-            await self.runtime.bus.nc.publish(kv_subject(self.worker_id), encode_event(batch))
-        with contextlib.suppress(Exception):
-            await msg.respond(encode_event(dump))
+            await nc.publish(kv_subject(self.worker_id), encode_event(batch))
+        if not msg.reply:
+            return
+        if asked is None:
+            chunks = [dump]
+        else:
+            chunks = kv_dump.split(dump, min(asked.max_blocks, kv_dump.max_blocks_for(nc.max_payload)))
+        try:
+            for chunk in chunks:
+                await nc.publish(msg.reply, encode_event(chunk))
+        except Exception as exc:  # too large for an older reader's single message, or NATS down
+            log.warning("KV dump not sent", extra={"blocks": len(dump.block_hashes), "error": repr(exc)})
 
     # ------------------------------------------------------------ KV hand-off
 
@@ -211,11 +232,15 @@ class EngineHost:
         request: InferenceRequest,
         source_event_id: str,
         hand_off: Callable[[PrefillResult], Awaitable[None]] | None = None,
+        *,
+        routed_at: float | None = None,
+        prediction: RouteOption | None = None,
     ) -> PrefillResult:
         """Run the prefill, stream the first token (seq 0), hand the KV off, report GPU time.
 
         The hand-off (to a decode worker) comes before the report, so the ledger's event never
-        delays the second token.
+        delays the second token. The span shows what happened next to what the router predicted
+        (`prediction`, made at `routed_at`): cached tokens, and TTFT from the routing decision.
         """
         with tracer().start_as_current_span(
             f"prefill {request.model}",
@@ -230,9 +255,18 @@ class EngineHost:
             },
         ) as span:
             result = await self.engine.prefill(request)
+            now = time.time()
             span.set_attribute("ripple.cached_tokens", result.cached_tokens)
             span.set_attribute("ripple.gpu_seconds", result.gpu_seconds)
-        now = time.time()
+            if routed_at is not None:
+                span.set_attribute("ripple.ttft_s", max(0.0, now - routed_at))
+            if prediction is not None:
+                span.set_attributes(
+                    {
+                        "ripple.predicted.cached_tokens": prediction.cached_tokens,
+                        "ripple.predicted.ttft_s": prediction.ttft_s,
+                    }
+                )
         await self.runtime.bus.publish_fast(
             tokens_subject(request.tenant, request.request_id),
             TokenChunk(

@@ -70,7 +70,9 @@ class PrefillService:
             )
 
         try:
-            await host.prefill(request, work.event_id, hand_off)
+            await host.prefill(
+                request, work.event_id, hand_off, routed_at=work.occurred_at, prediction=work.prediction
+            )
         except EngineError as exc:
             await host.fail(request, 0, exc, work.event_id)
         finally:

@@ -32,6 +32,13 @@ batch a dump is exactly as of):
   size leaves the worker out of the index (`excluded`) until a dump that matches.
 - unknown: a batch from a worker the index does not track: it starts tracking it, holds the batch
   and the worker needs a dump (discovery).
+- restarted: a batch (or dump) from a newer incarnation of the worker (a later `started_at`, the
+  worker process's start): its numbering starts again at 1, so the blocks and held batches of the
+  old incarnation go, the batch is held and the worker needs a dump.
+- superseded: a batch (or dump) from an older incarnation than the one tracked (delivered late,
+  after the restart was seen): ignored. Without these two, a restarted worker's batch 3 could be
+  taken for its previous incarnation's batch 3. (Producers that send no `started_at` are not
+  checked.)
 
 So the index never answers from state it cannot vouch for: every tracked worker's blocks are exactly
 its cache as of `seq(worker)`, and `synced(worker)` says whether later batches are known missing.
@@ -46,7 +53,7 @@ from itertools import compress, repeat
 from typing import Protocol
 
 from schemas.events import KvEvents
-from services.router.baselines import PrefixView as PrefixView  # the protocol this index serves
+from services.router.policy import PrefixView as PrefixView  # the protocol this index serves
 
 __all__ = ["KvIndex", "Outcome", "PrefixView", "predicted_cached_tokens"]
 
@@ -64,6 +71,8 @@ class Outcome(StrEnum):
     STALE = "stale"
     MISMATCH = "mismatch"
     UNKNOWN = "unknown"
+    RESTARTED = "restarted"
+    SUPERSEDED = "superseded"
 
 
 class DumpLike(Protocol):
@@ -79,6 +88,8 @@ class DumpLike(Protocol):
     def seq(self) -> int: ...
     @property
     def block_hashes(self) -> list[int]: ...
+    @property
+    def started_at(self) -> float | None: ...
 
 
 def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -99,6 +110,8 @@ class _Worker:
     model: str | None = None
     # The last dump's block size was not the mesh's: not indexed until one that is.
     excluded: bool = False
+    # The incarnation (process start) the blocks belong to; None until one is announced.
+    started_at: float | None = None
     pending: dict[int, KvEvents] = field(default_factory=dict)
 
 
@@ -154,6 +167,11 @@ class KvIndex:
     def synced(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
         return worker is not None and worker.synced
+
+    def started_at(self, worker_id: str) -> float | None:
+        """The incarnation of the worker the index's blocks belong to (None: not announced)."""
+        worker = self._workers.get(worker_id)
+        return None if worker is None else worker.started_at
 
     def excluded(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
@@ -276,15 +294,22 @@ class KvIndex:
         worker = self._workers.get(events.worker_id)
         if worker is None:
             worker = self._add_worker(events.worker_id)
+            worker.started_at = events.started_at
             if events.block_size != self.block_size:
                 return Outcome.MISMATCH
             self._hold(worker, events)
             return Outcome.UNKNOWN
+        incarnation = self._incarnation(worker, events.started_at)
+        if incarnation is Outcome.SUPERSEDED:
+            return incarnation
         if events.block_size != self.block_size or (
             worker.model is not None and events.model != worker.model
         ):
             self._reset(worker, model=worker.model)
             return Outcome.MISMATCH
+        if incarnation is Outcome.RESTARTED:
+            self._hold(worker, events)
+            return incarnation
         if worker.seq is not None and events.seq <= worker.seq:
             return Outcome.DUPLICATE
         if worker.synced:
@@ -311,6 +336,9 @@ class KvIndex:
         worker = self._workers.get(dump.worker_id)
         if worker is None:
             worker = self._add_worker(dump.worker_id)
+            worker.started_at = dump.started_at
+        if self._incarnation(worker, dump.started_at) is Outcome.SUPERSEDED:
+            return Outcome.SUPERSEDED
         if dump.block_size != self.block_size:
             self._reset(worker, model=worker.model)
             worker.excluded = True
@@ -338,19 +366,24 @@ class KvIndex:
             return Outcome.MISMATCH
         return Outcome.APPLIED
 
-    def resync(self, worker_id: str, *, model: str | None = None) -> None:
+    def resync(self, worker_id: str, *, model: str | None = None, started_at: float | None = None) -> None:
         """Start (or restart) tracking a worker from nothing: its blocks dropped, a dump needed.
 
-        For a worker seen for the first time, or a new incarnation of one (its process restarted).
+        For a worker seen for the first time, or a new incarnation of one (its process restarted,
+        `started_at` its heartbeat's). Batches held for the same incarnation are kept.
         """
         worker = self._workers.get(worker_id)
         if worker is None:
             worker = self._add_worker(worker_id)
             worker.model = model
+            worker.started_at = started_at
             return
         self._reset(worker, model=model)
         worker.excluded = False
-        worker.pending.clear()
+        if started_at is None or started_at != worker.started_at:
+            worker.pending.clear()
+        if started_at is not None:
+            worker.started_at = started_at
 
     def drop_worker(self, worker_id: str) -> bool:
         """Forget a worker (it died): its blocks leave the index and its slot is freed."""
@@ -377,6 +410,24 @@ class KvIndex:
         self._groups.clear()
         self._workers[worker_id] = worker
         return worker
+
+    def _incarnation(self, worker: _Worker, started_at: float | None) -> Outcome | None:
+        """SUPERSEDED for an older incarnation than the worker's, RESTARTED (after starting the
+        worker over) for a newer one, None for the same one or when either is not announced."""
+        if started_at is None:
+            return None
+        if worker.started_at is None:
+            worker.started_at = started_at
+            return None
+        if started_at < worker.started_at:
+            return Outcome.SUPERSEDED
+        if started_at > worker.started_at:
+            self._reset(worker, model=worker.model)
+            worker.excluded = False
+            worker.pending.clear()
+            worker.started_at = started_at
+            return Outcome.RESTARTED
+        return None
 
     def _reset(self, worker: _Worker, *, model: str | None) -> None:
         self._clear(worker)

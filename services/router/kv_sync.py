@@ -5,15 +5,16 @@
   decoded strictly, checked against its subject, and applied; the outcome is counted.
 - A worker whose blocks the index cannot vouch for (discovered by its heartbeat or its events, a
   gap in its batches, a mismatch, a new incarnation, the router just started) gets its full
-  contents by request/reply on ``rmesh.kv.<worker>.dump``; batches that arrive meanwhile are held
-  by the index and applied on top. Each request waits at most `dump_timeout_s`; failures back off
+  contents by request/reply on ``rmesh.kv.<worker>.dump``, in chunks that each fit in one message
+  (`services/mesh/kv_dump.py`); batches that arrive meanwhile are held by the index and applied on
+  top. Each chunk is waited for at most `dump_timeout_s`; failures back off
   exponentially (with jitter) up to `DUMP_BACKOFF_MAX_S`; a mismatched block size is retried only
   every `MISMATCH_RETRY_S`.
 - Liveness comes from the WORKERS bucket (the router service feeds `observe` and `forget`): a
   worker whose heartbeat is older than `LIVENESS_S`, or whose entry is deleted, is dropped from the
   index, and its events are ignored until a fresh heartbeat; a worker that only ever sent events
-  is dropped after `UNANNOUNCED_GRACE_S`. A heartbeat with a new `started_at` is a new incarnation:
-  its old blocks go and it is resynced.
+  is dropped after `UNANNOUNCED_GRACE_S`. A heartbeat, a batch or a dump with a new `started_at` is
+  a new incarnation: its old blocks go and it is resynced; a batch of an older one is ignored.
 
 Everything runs in one task (`run`), which the router starts with `runtime.spawn`; cancelling it
 ends the reader, the scheduler and any dump request in flight.
@@ -32,11 +33,13 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NatsClient
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from prometheus_client import Counter, Gauge
 
 from schemas.events import KvDump, KvEvents, WorkerState
 from schemas.subjects import PREFIX, kv_dump_subject
+from services.mesh import kv_dump
 from services.router.kv_index import KvIndex, Outcome
 from services.router.policy import LIVENESS_S
 
@@ -56,13 +59,13 @@ LOG_EVERY_S = 5.0
 KV_EVENTS = Counter(
     "ripplemesh_router_kv_events_total",
     "KV event batches received, by outcome (applied, duplicate, gap, stale, mismatch, unknown, "
-    "invalid, dead_worker, error).",
+    "restarted, superseded, invalid, dead_worker, error).",
     ["outcome"],
 )
 KV_DUMPS = Counter(
     "ripplemesh_router_kv_dumps_total",
-    "KV dump requests, by outcome (applied, stale, mismatch, timeout, no_responders, invalid, "
-    "error, discarded).",
+    "KV dump requests, by outcome (applied, stale, mismatch, restarted, superseded, timeout, "
+    "no_responders, invalid, error, discarded).",
     ["outcome"],
 )
 KV_DROPPED = Counter(
@@ -160,7 +163,7 @@ class KvSync:
         peer.generation += 1
         peer.attempts = 0
         peer.next_dump_at = now
-        self.index.resync(worker_id, model=peer.model)
+        self.index.resync(worker_id, model=peer.model, started_at=peer.started_at)
         self._wake.set()
 
     def _mark_dead(self, peer: _Peer, now: float) -> None:
@@ -292,14 +295,14 @@ class KvSync:
         outcome: str
         try:
             try:
-                reply = await self.nc.request(kv_dump_subject(worker_id), b"", timeout=self.dump_timeout_s)
-                dump = _dump_decoder.decode(reply.data)
+                dump = await self._request_dump(worker_id)
             except NoRespondersError:
                 outcome = "no_responders"
             except TimeoutError:
                 outcome = "timeout"
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, kv_dump.DumpError) as exc:
                 outcome = "invalid"
+                self._note(worker_id, "dump_invalid", "invalid KV dump ignored", error=str(exc))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -337,6 +340,27 @@ class KvSync:
                 retry_in_s=delay,
             )
         self._wake.set()
+
+    async def _request_dump(self, worker_id: str) -> KvDump:
+        """Ask the worker for its dump in chunks that each fit in one message; put them together.
+
+        Raises NoRespondersError, TimeoutError (a chunk took over `dump_timeout_s`), or a decode
+        or DumpError for chunks that do not make one dump."""
+        inbox = self.nc.new_inbox()
+        sub: Subscription = await self.nc.subscribe(inbox)
+        try:
+            body = kv_dump.encode_request(kv_dump.max_blocks_for(self.nc.max_payload))
+            await self.nc.publish(kv_dump_subject(worker_id), body, reply=inbox)
+            chunks = kv_dump.Assembler()
+            while not chunks.complete:
+                msg = await sub.next_msg(timeout=self.dump_timeout_s)
+                if msg.headers and msg.headers.get("Status") == "503":
+                    raise NoRespondersError
+                chunks.add(_dump_decoder.decode(msg.data))
+            return chunks.dump()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     # ------------------------------------------------------------ the task
 
