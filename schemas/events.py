@@ -259,6 +259,10 @@ class RouteDecision(Event, frozen=True, kw_only=True, tag="router.decision.v1"):
     runners_up: list[RouteOption] = []
     candidates: NonNegativeInt = 0
     decision_s: NonNegativeFloat = 0.0
+    # The load a placement adds (what other replicas count on its workers): the prompt, of which
+    # `chosen.cached_tokens` need no prefill, and the KV blocks the request will hold.
+    prompt_tokens: NonNegativeInt = 0
+    kv_blocks: NonNegativeInt = 0
     workflow_id: Identifier | None = None
     workflow_step: PositiveInt | None = None
     workflow_steps: PositiveInt | None = None

@@ -217,6 +217,8 @@ SAMPLES: list[Event] = [
         ],
         candidates=3,
         decision_s=0.0004,
+        prompt_tokens=700,
+        kv_blocks=48,
         workflow_id="wf-1",
         workflow_step=2,
         workflow_steps=5,
