@@ -1,4 +1,9 @@
-"""Reading the locally written spans (``<data_dir>/traces/*.jsonl``) back as a request's tree."""
+"""Reading the locally written spans (``<data_dir>/traces/*.jsonl``) back as a request's tree.
+
+A span that carries a prediction shows it next to what happened: the prefill span's actual cached
+tokens and TTFT (from the routing decision) with the router's predictions for them, and the
+router's decision span its chosen placement's predictions, score and runners-up.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,19 @@ from services.mesh.tracing import REQUEST_ID, traces_dir
 KEY_ATTRIBUTES = (
     "messaging.destination.name",
     "ripple.admission.outcome",
+    "ripple.router.policy",
+    "ripple.router.outcome",
     "ripple.router.mode",
+    "ripple.router.prefill_worker",
     "ripple.router.decode_worker",
+    "ripple.router.predicted_cached_tokens",
+    "ripple.router.predicted_ttft_s",
+    "ripple.router.predicted_cost_usd",
+    "ripple.router.success_probability",
+    "ripple.router.expected_cost_per_success_usd",
     "ripple.worker_id",
     "ripple.cached_tokens",
+    "ripple.ttft_s",
     "ripple.gpu_seconds",
     "gen_ai.usage.input_tokens",
     "gen_ai.usage.output_tokens",
@@ -43,13 +57,39 @@ def load_request_trace(data_dir: Path, request_id: str) -> list[dict[str, Any]]:
     return sorted((s for s in spans if s["trace_id"] in trace_ids), key=lambda s: s["start_ns"])
 
 
+# An actual value's attribute -> the attribute of what was predicted for it.
+PREDICTED = {
+    "ripple.cached_tokens": "ripple.predicted.cached_tokens",
+    "ripple.ttft_s": "ripple.predicted.ttft_s",
+}
+# Shown on lines of their own under the span's label.
+LISTED_ATTRIBUTES = ("ripple.router.runners_up",)
+
+
+def _value(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def _label(span: dict[str, Any]) -> str:
     duration_ms = (span["end_ns"] - span["start_ns"]) / 1e6
     service = (span.get("service") or "?").removeprefix("ripplemesh-")
     attrs = span.get("attributes", {})
-    shown = " ".join(f"{k.split('.')[-1]}={attrs[k]}" for k in KEY_ATTRIBUTES if k in attrs)
+    shown = []
+    for key in KEY_ATTRIBUTES:
+        if key not in attrs:
+            continue
+        text = f"{key.split('.')[-1]}={_value(attrs[key])}"
+        predicted = PREDICTED.get(key)
+        if predicted is not None and predicted in attrs:
+            text += f" (predicted {_value(attrs[predicted])})"
+        shown.append(text)
     status = " [red]ERROR[/]" if span.get("status") == "ERROR" else ""
-    return f"[bold]{span['name']}[/] [cyan]{service}[/] {duration_ms:.2f} ms{status} [dim]{shown}[/]"
+    details = " ".join(shown)
+    label = f"[bold]{span['name']}[/] [cyan]{service}[/] {duration_ms:.2f} ms{status} [dim]{details}[/]"
+    for key in LISTED_ATTRIBUTES:
+        for i, item in enumerate(attrs.get(key) or ()):
+            label += f"\n  [dim]{key.split('.')[-1]}[{i}]: {item}[/]"
+    return label
 
 
 def render_tree(spans: list[dict[str, Any]]) -> Tree:
