@@ -31,7 +31,7 @@ from services.ledger import tasks as ledger_tasks
 from services.mesh.block_hash import chain_block_hashes
 from services.router import baselines
 from services.router import policy as router_policy
-from services.router.policy import Placement
+from services.router.policy import Placement, RouteRequest
 from services.simulator import (
     AgenticWorkload,
     AzureTrace,
@@ -484,9 +484,7 @@ def test_router_policy_is_the_services_module(monkeypatch: pytest.MonkeyPatch) -
     assert len(_first_pool_worker(log)) == 4  # least-loaded spreads the load
     calls = []
 
-    def everything_on_worker_2(
-        state: Any, *, request_id: str, model: str, block_size: int, now: float
-    ) -> Placement:
+    def everything_on_worker_2(state: Any, request: RouteRequest, prefix: Any, now: float) -> Placement:
         calls.append(now)
         return Placement("aggregated", "decode-h100-0-2", "decode-h100-0-2", len(state.workers), 0.0)
 
@@ -550,8 +548,11 @@ def test_the_autoscaler_grows_and_shrinks_an_autoscaled_pool() -> None:
 
 
 def test_disaggregated_serving_hands_kv_to_the_decode_pool() -> None:
+    # least_loaded disaggregates whenever a prefill worker is live (ripplemesh chooses by cost).
     result, log = run(
-        small_agentic(workflows=40), fleet(PoolSpec(role="prefill", replicas=1), PoolSpec(replicas=2))
+        small_agentic(workflows=40),
+        fleet(PoolSpec(role="prefill", replicas=1), PoolSpec(replicas=2)),
+        "least_loaded",
     )
     assert result.tasks_succeeded == 40
     assert result.kv_transfer_bytes > 0

@@ -50,10 +50,13 @@ class Overlaps:
     """A PrefixView with fixed answers."""
 
     def __init__(self, overlaps: dict[str, int]):
-        self.overlaps = overlaps
+        self.fixed = overlaps
 
     def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
-        return min(self.overlaps.get(worker_id, 0), len(block_hashes))
+        return min(self.fixed.get(worker_id, 0), len(block_hashes))
+
+    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        return {w: self.overlap(w, block_hashes) for w in self.fixed if self.overlap(w, block_hashes)}
 
 
 HASHES = list(range(10))  # a 10-block prompt

@@ -12,7 +12,8 @@ Then it times `overlaps()`, every worker's matched prefix for one request, for r
 prefix many workers hold), and prompts nobody has seen. It prints p50/p99 microseconds in wall-clock
 time (what a router sees, including whatever else the machine runs) and in this thread's CPU time,
 and again with the index's group cache off (no reuse across requests); the whole decision as the
-router makes it today (`policy.place` over every worker, plus `overlaps`); `apply()` of event batches
+router makes it (`policy.place`: candidates pruned by the index's `overlaps` and the least-loaded
+heaps, then scored); `apply()` of event batches
 as workers publish them; the index's memory (RSS growth of this process); and the target: decision
 latency p99 under 1 ms with 1,000 workers and 10 million indexed blocks.
 """
@@ -29,8 +30,9 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.events import KvCacheChange, KvDump, KvEvents
-from services.router.kv_index import KvIndex, predicted_cached_tokens
-from services.router.policy import RouterState, WorkerView, place
+from services.router.kv_index import KvIndex
+from services.router.policy import RouteRequest, RouterState, WorkerView, place
+from services.router.speed import speed_for
 
 TARGET_P99_US = 1000.0
 BLOCK_SIZE = 16
@@ -194,35 +196,54 @@ def _time_overlaps(
 
 
 def _time_decisions(index: KvIndex, requests: list[tuple[str, list[int]]]) -> list[float]:
-    """µs per decision as the router makes it today: `policy.place` over every worker (one
-    prefill and one decode pool, half each) plus `overlaps` for the chosen worker's prediction."""
+    """µs per decision as the router makes it: `policy.place` (the seven-axis policy, with its
+    `overlaps` query on the index) over every worker: a prefill and a decode pool, half each, of
+    H100s and H200s. Heartbeats (every worker's state anew) every 200 decisions, untimed."""
     state = RouterState()
-    for i, worker_id in enumerate(index.worker_ids):
-        state.observe(
-            WorkerView(
-                worker_id=worker_id,
-                role="prefill" if i % 2 else "decode",
-                model=MODEL,
-                block_size=BLOCK_SIZE,
-                queue_depth=i % 7,
-                running=i % 5,
-                kv_blocks_total=20_000,
-                kv_blocks_used=i % 20_000,
-                heartbeat_at=1e9,
+    speeds = {gpu: speed_for(gpu, MODEL) for gpu in ("H100", "H200")}
+
+    def heartbeat(tick: int) -> None:
+        for i, worker_id in enumerate(index.worker_ids):
+            gpu = "H200" if i % 4 >= 2 else "H100"
+            speed = speeds[gpu]
+            assert speed is not None
+            state.observe(
+                WorkerView(
+                    worker_id=worker_id,
+                    role="prefill" if i % 2 else "decode",
+                    model=MODEL,
+                    block_size=BLOCK_SIZE,
+                    queue_depth=(i + tick) % 7,
+                    running=(i + tick) % 5,
+                    kv_blocks_total=20_000,
+                    kv_blocks_used=(i * 37 + tick) % 20_000,
+                    heartbeat_at=1e9,
+                    gpu_type=gpu,
+                    price_per_hour=3.8 if gpu == "H200" else 3.0,
+                    speed=speed,
+                    queued_tokens=((i + tick) % 7) * 900,
+                )
             )
-        )
+
     timings: list[float] = []
     gc.disable()
     try:
         for n, (_, hashes) in enumerate(requests):
+            if n % 200 == 0:
+                heartbeat(n)
+            request = RouteRequest(
+                request_id=f"r{n}",
+                tenant="bench",
+                model=MODEL,
+                block_size=BLOCK_SIZE,
+                block_hashes=hashes,
+                prompt_tokens=len(hashes) * BLOCK_SIZE,
+                max_tokens=256,
+                deadline_at=1e9 + 30.0 if n % 3 == 0 else None,
+            )
             t0 = time.perf_counter_ns()
-            decision = place(state, request_id=f"r{n}", model=MODEL, block_size=BLOCK_SIZE, now=1e9)
-            matched = index.overlaps(hashes)
-            worker = getattr(decision, "prefill_worker", "")
-            predicted_cached_tokens(matched.get(worker, 0), len(hashes) * BLOCK_SIZE, BLOCK_SIZE)
+            place(state, request, index, 1e9)
             timings.append((time.perf_counter_ns() - t0) / 1000)
-            for worker_id in state.placed_since_heartbeat:
-                state.placed_since_heartbeat[worker_id] = 0
     finally:
         gc.enable()
     timings.sort()
@@ -313,7 +334,7 @@ def run_router_bench(
         f"p50 {_percentile(cold, 0.5):.0f} µs, p99 {_percentile(cold, 0.99):.0f} µs, max {cold[-1]:.0f} µs"
     )
     console.print(
-        f"whole decision today (policy.place over {workers:,} workers + overlaps): "
+        f"whole decision (policy.place over {workers:,} workers, overlaps included): "
         f"p50 {_percentile(decisions, 0.5):.0f} µs, p99 {_percentile(decisions, 0.99):.0f} µs"
     )
     console.print(f"apply(): {apply_rate:,.0f} event batches/s (16 stored + 4 removed blocks each)")

@@ -27,16 +27,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from services.router import policy
-from services.router.policy import NoPlacement, Placement, RouterState, WorkerView
+from services.router.policy import NoPlacement, Placement, PrefixView, RouterState, WorkerView
 
-
-class PrefixView(Protocol):
-    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
-        """How many leading blocks of `block_hashes` the worker's prefix cache holds."""
-        ...
+__all__ = [
+    "BASELINES",
+    "PrefixView",
+    "RoundRobinState",
+    "dynamo_kv",
+    "least_loaded",
+    "llmd_weighted",
+    "round_robin",
+    "sglang_cache_aware",
+]
 
 
 @dataclass(slots=True)
@@ -53,7 +57,7 @@ Picker = Callable[[list[WorkerView]], tuple[WorkerView, float]]
 
 
 def _count(state: RouterState, worker_id: str) -> None:
-    state.placed_since_heartbeat[worker_id] = state.placed_since_heartbeat.get(worker_id, 0) + 1
+    state.count(worker_id, 0, 0)
 
 
 def _placed(state: RouterState, worker: WorkerView) -> int:

@@ -1,34 +1,197 @@
 """The router's decision: where a request's prefill and decode run. Pure; clock passed in.
 
-This first policy places each request on the least-loaded live worker for its model, and
-disaggregates (prefill on a prefill worker, decode on a decode worker) whenever a prefill worker
-is live. Load counts the worker's queue and running batch, its KV occupancy, and the work this
-router placed there since the worker's last heartbeat, so a burst between two heartbeats does
-not herd onto one worker. Ties break by a hash of (request, worker), again to avoid herding.
+ripplemesh places each request where it minimises the **expected cost per successful
+completion**. For every candidate placement (one worker serving both phases, aggregated; or a
+prefill worker handing its KV to a decode worker, disaggregated) it predicts, from the seven axes:
+
+- GPU generation and price: prefill and decode speed from the worker's roofline (`WorkerSpeed`:
+  FLOPs, HBM bandwidth, weights, KV bytes per token), and its $/s;
+- memory headroom: whether the request's KV blocks fit beside the running batch, the wait for
+  blocks when they do not, and the cached blocks of others it would evict;
+- KV cache state: the prefix the worker already caches (`PrefixView`), so only the uncached part
+  is prefilled (and, disaggregated, only the blocks the decode worker lacks travel);
+- warm weights: the model and adapter loaded, or the load time and its cost;
+- tenant priority: what a second of latency is worth for the request's class (`RouterConfig`);
+- latency budget: predicted TTFT (queue + uncached prefill + cold load) and completion time
+  (TTFT + KV transfer + decode at the worker's predicted time per token) against the deadline,
+  as a probability of meeting it;
+- workflow: the spend a late step of a workflow puts at risk (failing it wastes every earlier
+  step), and the workflow's prefix, which lives where its earlier steps ran.
+
+and scores it as
+
+    (marginal cost + latency worth + sunk cost at risk) / P(success)
+
+marginal cost = the request's GPU-seconds priced on each worker + KV transfer + cold load + the
+re-prefill of evicted blocks; sunk cost = what the workflow spent already; P(success) = the
+probability of completing by the deadline (1 without one). The lowest score wins; aggregated and
+disaggregated options compete on the same score. With sunk cost 0 and P = 1 the score is just
+the cheapest fast placement; as the sunk cost grows, the probability of success weighs more.
+When no option has a useful probability of meeting a hard deadline, the request is
+`NoPlacement("infeasible")`: admission rejects it instead of spending GPU time on it.
+
+Candidates are pruned so that a decision costs O(k log n), not O(n): the workers caching the
+longest prefix of the request (from the prefix view's `overlaps`) plus the k least-loaded
+workers of each role and GPU type (a lazily maintained heap in `RouterState`). Exact ties break
+on a hash of (request, worker) computed only for the tied workers. Each placement is counted in
+the state (requests, tokens and KV blocks placed since the worker's last heartbeat), so a burst
+between two heartbeats spreads instead of herding.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import heapq
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 LIVENESS_S = 3.0
+
+Role = Literal["prefill", "decode"]
+Mode = Literal["aggregated", "disaggregated"]
+Priority = Literal["critical", "standard", "sheddable"]
+
+
+class PrefixView(Protocol):
+    """Which leading blocks of a request each worker's prefix cache holds. The router's KV index
+    (kv_index.py, from the workers' KvEvents) and the simulator's fleet view both serve it."""
+
+    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of `block_hashes` the worker's prefix cache holds."""
+        ...
+
+    def overlaps(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
+        """Every worker's matched leading blocks; workers matching nothing may be left out."""
+        ...
+
+
+class NoPrefix:
+    """A PrefixView that knows no cache (callers without a KV index)."""
+
+    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        return 0
+
+    def overlaps(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpeed:
+    """A worker's roofline: what its GPU(s) and model make a step cost (the sim engine's
+    PerfModel figures; services/router/speed.py builds one from a GPU profile and model shape).
+
+    A step computing n new tokens (in p parts, with a attention query-key pairs, reading r KV
+    tokens) lasts overhead + max(FLOPs / flops_per_s, bytes / bytes_per_s) with FLOPs =
+    n x flops_per_token + a x flops_per_pair and bytes = weight_read_bytes + (r + n) x
+    kv_bytes_per_token."""
+
+    flops_per_s: float
+    flops_per_token: float
+    flops_per_pair: float
+    bytes_per_s: float
+    weight_read_bytes: float
+    kv_bytes_per_token: int
+    step_overhead_s: float
+    kv_link_bytes_per_s: float
+    max_batch_tokens: int = 8192
+    max_running: int = 256
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Compute-bound prompt tokens per second, attention aside."""
+        return self.flops_per_s / self.flops_per_token
+
+    def step_seconds(self, new_tokens: float, pairs: float, read_tokens: float) -> float:
+        compute = (new_tokens * self.flops_per_token + pairs * self.flops_per_pair) / self.flops_per_s
+        memory = (
+            self.weight_read_bytes + (read_tokens + new_tokens) * self.kv_bytes_per_token
+        ) / self.bytes_per_s
+        return self.step_overhead_s + (compute if compute > memory else memory)
+
+    def decode_step_seconds(self, decodes: int, context_tokens: float) -> float:
+        """One step of `decodes` one-token decodes over `context_tokens` of KV in all."""
+        return self.step_seconds(decodes, context_tokens + decodes, context_tokens)
+
+
+# Llama-3-8B in BF16 on one H100 SXM, as the sim engine models it (profiles.py, perf.py); what a
+# worker that reports no speed is assumed to be. tests/test_router_policy.py holds it equal to
+# speed.worker_speed of that profile.
+DEFAULT_SPEED = WorkerSpeed(
+    flops_per_s=989e12 * 0.5,
+    flops_per_token=2.0 * (8.03e9 - 2 * 128256 * 4096),
+    flops_per_pair=4.0 * 32 * 32 * 128,
+    bytes_per_s=3.35e12 * 0.75,
+    weight_read_bytes=(8.03e9 - 128256 * 4096) * 2,
+    kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+    step_overhead_s=0.002,
+    kv_link_bytes_per_s=50e9,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     worker_id: str
-    role: Literal["prefill", "decode"]
+    role: Role
     model: str
     block_size: int
     queue_depth: int
     running: int
     kv_blocks_total: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by sequences (cached blocks they share included)
     heartbeat_at: float
     draining: bool = False
+    gpu_type: str = ""
+    price_per_hour: float = 0.0  # US$ per hour for the whole worker (all its GPUs)
+    speed: WorkerSpeed = DEFAULT_SPEED
+    # Blocks neither held nor cached (allocating beyond them evicts cached blocks); None: unknown.
+    kv_blocks_free: int | None = None
+    # Uncached prompt tokens waiting for their prefill; None: unknown (estimated from the depth).
+    queued_tokens: int | None = None
+    # KV tokens of the running batch; None: unknown (estimated from the blocks in use).
+    context_tokens: int | None = None
+    warm: bool = True  # the model's weights are loaded
+    cold_load_s: float = 0.0  # loading them (when not warm)
+    adapters: tuple[str, ...] = ()  # LoRA adapters loaded
+    adapter_load_s: float = 0.0  # loading an adapter it lacks
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """What the objective weighs that is the operator's call, not the workers' state."""
+
+    kv_transfer_usd_per_gb: float = 0.01  # the ledger's price of KV moved between workers
+    # What a second of time to first token is worth, in US$, per priority class (against the
+    # GPU's $/s: an H100 at $3/h costs $0.00083/s). Critical traffic buys speed; sheddable
+    # traffic is placed for cost, with a small worth so that equal-cost options prefer the
+    # faster one (and a burst does not pile onto one worker).
+    latency_worth_usd_per_s: Mapping[str, float] = field(
+        default_factory=lambda: {"critical": 0.004, "standard": 0.001, "sheddable": 0.0002}
+    )
+    # The spread of a completion-time prediction: sigma = relative x predicted + absolute seconds.
+    relative_error: float = 0.3
+    absolute_error_s: float = 0.25
+    # No option with at least this probability of meeting a hard deadline: infeasible.
+    min_success_probability: float = 0.05
+    # The chance that a cached block the request evicts would have been reused (its re-prefill
+    # is then charged to this placement).
+    evicted_reuse_probability: float = 0.25
+    # Candidates: the workers caching the longest prefix, and the least loaded per role and GPU.
+    cache_candidates: int = 4
+    load_candidates: int = 3
+    # Disaggregated pairs scored: the best prefill workers x the best decode workers.
+    pair_candidates: int = 3
+
+
+@dataclass(slots=True)
+class _Placed:
+    """What this router placed on a worker since its last heartbeat."""
+
+    requests: int = 0
+    tokens: int = 0  # uncached prompt tokens to prefill
+    blocks: int = 0  # KV blocks the requests will hold
 
 
 @dataclass(slots=True)
@@ -36,19 +199,81 @@ class RouterState:
     workers: dict[str, WorkerView] = field(default_factory=dict)
     # Requests this router placed on a worker since that worker's last heartbeat.
     placed_since_heartbeat: dict[str, int] = field(default_factory=dict)
+    config: RouterConfig = field(default_factory=RouterConfig)
+    placed: dict[str, _Placed] = field(default_factory=dict)
+    # Per (model, role, gpu type): a heap of (load key, stamp, worker id); an entry is current
+    # while its stamp is the worker's in `_stamps` (stale ones are skipped and dropped lazily).
+    _heaps: dict[tuple[str, str, str], list[tuple[float, int, str]]] = field(default_factory=dict)
+    _stamps: dict[str, int] = field(default_factory=dict)
+    _counter: itertools.count[int] = field(default_factory=itertools.count)
+    # Per model: worker id -> block size (a mismatch is looked for only when two sizes exist).
+    _block_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def observe(self, worker: WorkerView) -> None:
         previous = self.workers.get(worker.worker_id)
         if previous is None or worker.heartbeat_at >= previous.heartbeat_at:
+            if previous is not None and previous.model != worker.model:
+                self._block_sizes.get(previous.model, {}).pop(worker.worker_id, None)
             self.workers[worker.worker_id] = worker
             self.placed_since_heartbeat[worker.worker_id] = 0
+            self.placed[worker.worker_id] = _Placed()
+            self._block_sizes.setdefault(worker.model, {})[worker.worker_id] = worker.block_size
+            self._push(worker)
 
     def forget(self, worker_id: str) -> None:
-        self.workers.pop(worker_id, None)
+        worker = self.workers.pop(worker_id, None)
         self.placed_since_heartbeat.pop(worker_id, None)
+        self.placed.pop(worker_id, None)
+        self._stamps.pop(worker_id, None)
+        if worker is not None:
+            self._block_sizes.get(worker.model, {}).pop(worker_id, None)
 
+    def count(self, worker_id: str, tokens: int, blocks: int) -> None:
+        """One more request placed on the worker: `tokens` to prefill there, `blocks` of KV."""
+        self.placed_since_heartbeat[worker_id] = self.placed_since_heartbeat.get(worker_id, 0) + 1
+        placed = self.placed.setdefault(worker_id, _Placed())
+        placed.requests += 1
+        placed.tokens += tokens
+        placed.blocks += blocks
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            self._push(worker)
 
-Priority = Literal["critical", "standard", "sheddable"]
+    # ------------------------------------------------------------ the least-loaded heaps
+
+    def _push(self, worker: WorkerView) -> None:
+        stamp = next(self._counter)
+        self._stamps[worker.worker_id] = stamp
+        heap = self._heaps.setdefault((worker.model, worker.role, worker.gpu_type), [])
+        heapq.heappush(heap, (backlog_seconds(worker, self), stamp, worker.worker_id))
+        if len(heap) > 64 and len(heap) > 4 * len(self._stamps):
+            # Mostly stale entries: keep the current ones only.
+            current = [e for e in heap if self._stamps.get(e[2]) == e[1]]
+            heapq.heapify(current)
+            self._heaps[(worker.model, worker.role, worker.gpu_type)] = current
+
+    def least_loaded(self, model: str, role: Role, k: int, now: float) -> list[WorkerView]:
+        """Up to k live, non-draining workers of each GPU type for the model and role, least
+        loaded first (O(k log n) per GPU type)."""
+        out: list[WorkerView] = []
+        for (heap_model, heap_role, _), heap in self._heaps.items():
+            if heap_model != model or heap_role != role:
+                continue
+            taken: list[tuple[float, int, str]] = []
+            while heap and len(taken) < k:
+                entry = heapq.heappop(heap)
+                _, stamp, worker_id = entry
+                if self._stamps.get(worker_id) != stamp:
+                    continue  # superseded: dropped
+                worker = self.workers[worker_id]
+                taken.append(entry)
+                if worker.draining or now - worker.heartbeat_at > LIVENESS_S:
+                    k += 1  # kept (it may come back), but not a candidate
+                    continue
+                out.append(worker)
+            for entry in taken:
+                heapq.heappush(heap, entry)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +301,7 @@ class RouteRequest:
 class ScoredOption:
     """One placement the policy weighed: its predictions and its score (lower is better)."""
 
-    mode: Literal["aggregated", "disaggregated"]
+    mode: Mode
     prefill_worker: str
     decode_worker: str
     cached_tokens: int
@@ -84,11 +309,13 @@ class ScoredOption:
     cost_usd: float
     success_probability: float
     expected_cost_per_success_usd: float
+    completion_s: float = 0.0  # predicted time from now to the last token
+    score: float = 0.0  # the objective (lower is better)
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    mode: Literal["aggregated", "disaggregated"]
+    mode: Mode
     prefill_worker: str
     decode_worker: str
     candidates: int
@@ -102,6 +329,7 @@ class Placement:
     expected_cost_per_success_usd: float = 0.0
     runners_up: tuple[ScoredOption, ...] = ()
     policy: str = "ripplemesh"
+    predicted_completion_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +337,9 @@ class NoPlacement:
     # "infeasible": no placement can meet the request's hard deadline (admission is told so).
     reason: Literal["no_workers", "invalid", "infeasible"]
     message: str
+
+
+# ------------------------------------------------------------------ load (also the baselines')
 
 
 def load(worker: WorkerView, state: RouterState) -> float:
@@ -121,11 +352,15 @@ def _tie_break(request_id: str, worker_id: str) -> int:
 
 
 def _least_loaded(workers: Iterable[WorkerView], state: RouterState, request_id: str) -> WorkerView | None:
-    return min(
-        workers,
-        key=lambda w: (load(w, state), _tie_break(request_id, w.worker_id)),
-        default=None,
-    )
+    """The least-loaded worker by `load`; ties broken by `_tie_break`, hashed for the tied only."""
+    keyed = [(load(w, state), w) for w in workers]
+    if not keyed:
+        return None
+    low = min(k for k, _ in keyed)
+    tied = [w for k, w in keyed if k == low]
+    if len(tied) == 1:
+        return tied[0]
+    return min(tied, key=lambda w: _tie_break(request_id, w.worker_id))
 
 
 def live_workers(state: RouterState, model: str, now: float) -> list[WorkerView]:
@@ -136,28 +371,385 @@ def live_workers(state: RouterState, model: str, now: float) -> list[WorkerView]
     ]
 
 
-def place(
-    state: RouterState, *, request_id: str, model: str, block_size: int, now: float
-) -> Placement | NoPlacement:
-    """Choose workers for one request and count the placement in `state`."""
-    live = live_workers(state, model, now)
-    mismatched = sorted(w.worker_id for w in live if w.block_size != block_size)
-    if mismatched:
-        # Routing across a block-size mismatch would turn every cache hit into a miss.
-        return NoPlacement(
-            "invalid",
-            f"block size mismatch: the request was hashed with {block_size}-token blocks but "
-            f"worker(s) {', '.join(mismatched)} use another size; refusing to route",
-        )
-    decode = _least_loaded((w for w in live if w.role == "decode"), state, request_id)
-    if decode is None:
-        return NoPlacement("no_workers", f"no live decode worker serves model {model!r}")
-    prefill = _least_loaded((w for w in live if w.role == "prefill"), state, request_id)
-    decode_load = load(decode, state)
-    state.placed_since_heartbeat[decode.worker_id] = state.placed_since_heartbeat.get(decode.worker_id, 0) + 1
-    if prefill is None:
-        return Placement("aggregated", decode.worker_id, decode.worker_id, len(live), decode_load)
-    state.placed_since_heartbeat[prefill.worker_id] = (
-        state.placed_since_heartbeat.get(prefill.worker_id, 0) + 1
+def _mismatch(state: RouterState, model: str, block_size: int, now: float) -> NoPlacement | None:
+    sizes = state._block_sizes.get(model)
+    if not sizes or all(size == block_size for size in sizes.values()):
+        return None
+    mismatched = sorted(w.worker_id for w in live_workers(state, model, now) if w.block_size != block_size)
+    if not mismatched:
+        return None
+    # Routing across a block-size mismatch would turn every cache hit into a miss.
+    return NoPlacement(
+        "invalid",
+        f"block size mismatch: the request was hashed with {block_size}-token blocks but "
+        f"worker(s) {', '.join(mismatched)} use another size; refusing to route",
     )
-    return Placement("disaggregated", prefill.worker_id, decode.worker_id, len(live), decode_load)
+
+
+# ------------------------------------------------------------------ predictions
+
+
+def backlog_tokens(worker: WorkerView, state: RouterState, typical_prompt: int = 0) -> float:
+    """Uncached prompt tokens waiting on the worker: its queue at the heartbeat plus what this
+    router placed there since."""
+    placed = state.placed.get(worker.worker_id)
+    queued = worker.queued_tokens
+    if queued is None:
+        queued = worker.queue_depth * typical_prompt
+    return queued + (placed.tokens if placed is not None else 0)
+
+
+def backlog_seconds(worker: WorkerView, state: RouterState) -> float:
+    """The least-loaded heaps' key: seconds of prefill backlog, then KV occupancy (< 1 s)."""
+    placed = state.placed.get(worker.worker_id)
+    queued = worker.queued_tokens if worker.queued_tokens is not None else worker.queue_depth * 1024
+    tokens = queued + (placed.tokens if placed is not None else 0)
+    blocks = worker.kv_blocks_used + (placed.blocks if placed is not None else 0)
+    kv = blocks / worker.kv_blocks_total if worker.kv_blocks_total else 1.0
+    return tokens / worker.speed.prefill_tokens_per_s + 0.5 * min(1.0, kv) + 0.01 * worker.running
+
+
+@dataclass(frozen=True, slots=True)
+class _Side:
+    """One worker's predicted part in a placement."""
+
+    worker: WorkerView
+    cached_tokens: int
+    ready_s: float  # until its first token (prefill side) or until it can take the KV (decode side)
+    prefill_gpu_s: float
+    evicted_blocks: int
+    decodes: int  # its running batch once this request joins
+    context: float  # the batch's KV tokens once this request joins
+    busy_fraction: float  # the share of its steps' time prefill chunks are taking
+
+
+def _cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Whole matched blocks, but the last prompt token is always computed (the engines' rule)."""
+    return max(0, min(matched_blocks * block_size, prompt_tokens - 1))
+
+
+def _prefill_seconds(speed: WorkerSpeed, new: float, cached: float, decodes: int, context: float) -> float:
+    """Wall time to prefill `new` tokens after `cached`, in chunks beside `decodes` decodes."""
+    if new <= 0:
+        return 0.0
+    chunk = max(1, speed.max_batch_tokens - decodes)
+    steps = math.ceil(new / chunk)
+    pairs = new * cached + new * (new + 1) / 2.0
+    compute = (
+        (new + steps * decodes) * speed.flops_per_token + (pairs + steps * context) * speed.flops_per_pair
+    ) / (speed.flops_per_s)
+    memory = (
+        steps * (speed.weight_read_bytes + context * speed.kv_bytes_per_token)
+        + (new + cached) * speed.kv_bytes_per_token
+    ) / speed.bytes_per_s
+    return steps * speed.step_overhead_s + max(compute, memory)
+
+
+def _prefill_gpu_seconds(speed: WorkerSpeed, new: float, cached: float) -> float:
+    """The request's own share of its prefill steps (what the ledger charges it)."""
+    if new <= 0:
+        return 0.0
+    pairs = new * cached + new * (new + 1) / 2.0
+    compute = (new * speed.flops_per_token + pairs * speed.flops_per_pair) / speed.flops_per_s
+    return compute + speed.step_overhead_s * math.ceil(new / speed.max_batch_tokens)
+
+
+def _side(
+    worker: WorkerView,
+    state: RouterState,
+    request: RouteRequest,
+    matched_blocks: int,
+    *,
+    prefill: bool,
+) -> _Side:
+    speed = worker.speed
+    placed = state.placed.get(worker.worker_id)
+    block = request.block_size
+    prompt = request.prompt_tokens
+    cached = _cached_tokens(matched_blocks, prompt, block)
+    new = prompt - cached if prefill else 0
+    decodes = worker.running + (placed.requests if placed is not None else 0)
+    decodes = min(decodes, speed.max_running)
+    context = (
+        float(worker.context_tokens)
+        if worker.context_tokens is not None
+        else float(worker.kv_blocks_used * worker.block_size)
+    )
+    queue_tokens = backlog_tokens(worker, state, prompt)
+    # A hand-off's KV is admitted without prefill compute: only a prompt waits for the backlog.
+    wait = _prefill_seconds(speed, queue_tokens, 0.0, decodes, context) if prefill else 0.0
+    own = _prefill_seconds(speed, new, cached, decodes, context)
+    # Memory: the blocks it needs beyond the cached prefix, against what the running batch and
+    # the placements since the heartbeat hold.
+    need = -(-(prompt + request.max_tokens) // block) - min(matched_blocks, -(-prompt // block))
+    held = worker.kv_blocks_used + (placed.blocks if placed is not None else 0)
+    available = worker.kv_blocks_total - held - int(queue_tokens // block)
+    evicted = 0
+    memory_wait = 0.0
+    if need > available:
+        # It waits for running sequences to finish and free their blocks: about their remaining
+        # decode time (half of a typical output) per batch's worth of blocks.
+        deficit = need - max(0, available)
+        per_token = speed.decode_step_seconds(max(1, decodes), context)
+        drain = 0.5 * request.max_tokens * per_token
+        memory_wait = drain * min(4.0, deficit / max(1, held))
+    elif worker.kv_blocks_free is not None:
+        free = worker.kv_blocks_free - (placed.blocks if placed is not None else 0)
+        evicted = max(0, min(need, need - free))
+    cold = 0.0 if worker.warm else worker.cold_load_s
+    if request.adapter is not None and request.adapter not in worker.adapters:
+        cold += worker.adapter_load_s
+    ready = cold + max(wait, memory_wait) + own
+    # Prefill chunks' share of the worker's step time: its backlog is worked off in full chunks.
+    busy = 0.0
+    if queue_tokens > 0:
+        busy = min(0.9, queue_tokens / (queue_tokens + speed.prefill_tokens_per_s * max(1.0, ready)))
+    return _Side(
+        worker=worker,
+        cached_tokens=cached,
+        ready_s=ready,
+        prefill_gpu_s=_prefill_gpu_seconds(speed, new, cached),
+        evicted_blocks=evicted,
+        decodes=decodes + 1,
+        context=context + prompt + request.max_tokens / 2.0,
+        busy_fraction=busy,
+    )
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    mode: Mode
+    prefill: _Side
+    decode: _Side
+    ttft_s: float
+    completion_s: float
+    cost_usd: float
+    probability: float
+    score: float
+
+    def scored(self, sunk: float) -> ScoredOption:
+        return ScoredOption(
+            mode=self.mode,
+            prefill_worker=self.prefill.worker.worker_id,
+            decode_worker=self.decode.worker.worker_id,
+            cached_tokens=self.prefill.cached_tokens,
+            ttft_s=self.ttft_s,
+            cost_usd=self.cost_usd,
+            success_probability=self.probability,
+            expected_cost_per_success_usd=(
+                (sunk + self.cost_usd) / self.probability if self.probability > 0 else math.inf
+            ),
+            completion_s=self.completion_s,
+            score=self.score,
+        )
+
+
+def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _Side, now: float) -> _Option:
+    config = state.config
+    aggregated = prefill.worker is decode.worker
+    p_speed, d_speed = prefill.worker.speed, decode.worker.speed
+    ttft = prefill.ready_s
+    # Decode: one token per step of the decode worker's batch, slowed by the prefill chunks
+    # sharing its steps.
+    tpot = d_speed.decode_step_seconds(decode.decodes, decode.context) / (1.0 - decode.busy_fraction)
+    transfer_s = 0.0
+    transfer_usd = 0.0
+    if aggregated:
+        decode_start = ttft
+    else:
+        moved = max(0, request.prompt_tokens - decode.cached_tokens) * d_speed.kv_bytes_per_token
+        transfer_s = moved / min(p_speed.kv_link_bytes_per_s, d_speed.kv_link_bytes_per_s)
+        transfer_usd = moved / 1e9 * config.kv_transfer_usd_per_gb
+        decode_start = max(ttft + transfer_s, decode.ready_s)
+    completion = decode_start + max(0, request.max_tokens - 1) * tpot
+    # The request's share of its decode steps: the weights' read split over the batch, its own
+    # KV read, the step overhead split.
+    own_context = request.prompt_tokens + request.max_tokens / 2.0
+    per_token = (
+        d_speed.step_overhead_s / decode.decodes
+        + d_speed.weight_read_bytes / d_speed.bytes_per_s / decode.decodes
+        + own_context * d_speed.kv_bytes_per_token / d_speed.bytes_per_s
+    )
+    decode_gpu_s = per_token * max(0, request.max_tokens - 1)
+    p_price = prefill.worker.price_per_hour / 3600.0
+    d_price = decode.worker.price_per_hour / 3600.0
+    cold_usd = 0.0
+    for side, price in ((prefill, p_price), (decode, d_price)):
+        worker = side.worker
+        if not worker.warm:
+            cold_usd += worker.cold_load_s * price
+        if request.adapter is not None and request.adapter not in worker.adapters:
+            cold_usd += worker.adapter_load_s * price
+        if aggregated:
+            break
+    # Evicting cached blocks that would have been reused: their re-prefill, at this worker's rate.
+    evict_usd = (
+        prefill.evicted_blocks
+        * request.block_size
+        * config.evicted_reuse_probability
+        * p_price
+        / p_speed.prefill_tokens_per_s
+    )
+    cost = prefill.prefill_gpu_s * p_price + decode_gpu_s * d_price + transfer_usd + cold_usd + evict_usd
+    probability = 1.0
+    if request.deadline_at is not None:
+        slack = request.deadline_at - now
+        sigma = config.relative_error * completion + config.absolute_error_s
+        probability = _normal_cdf((slack - completion) / sigma)
+    worth = config.latency_worth_usd_per_s.get(request.priority, 0.0) * ttft
+    sunk = request.workflow_spent_usd
+    score = (cost + worth + sunk) / probability if probability > 1e-12 else math.inf
+    return _Option(
+        mode="aggregated" if aggregated else "disaggregated",
+        prefill=prefill,
+        decode=decode,
+        ttft_s=ttft,
+        completion_s=completion,
+        cost_usd=cost,
+        probability=probability,
+        score=score,
+    )
+
+
+# ------------------------------------------------------------------ the decision
+
+
+def _candidates(
+    state: RouterState,
+    request: RouteRequest,
+    matched: Mapping[str, int],
+    role: Role,
+    now: float,
+) -> list[WorkerView]:
+    """The workers worth scoring for one role: the longest cached prefixes, the least loaded."""
+    config = state.config
+    chosen: dict[str, WorkerView] = {}
+    if matched:
+        best = heapq.nlargest(config.cache_candidates * 2, matched.items(), key=lambda item: item[1])
+        taken = 0
+        for worker_id, _ in best:
+            worker = state.workers.get(worker_id)
+            if (
+                worker is None
+                or worker.role != role
+                or worker.model != request.model
+                or worker.draining
+                or now - worker.heartbeat_at > LIVENESS_S
+            ):
+                continue
+            chosen[worker_id] = worker
+            taken += 1
+            if taken >= config.cache_candidates:
+                break
+    for worker in state.least_loaded(request.model, role, config.load_candidates, now):
+        chosen.setdefault(worker.worker_id, worker)
+    return list(chosen.values())
+
+
+def _options(
+    state: RouterState, request: RouteRequest, prefix: PrefixView, now: float
+) -> tuple[list[_Option], int] | NoPlacement:
+    mismatch = _mismatch(state, request.model, request.block_size, now)
+    if mismatch is not None:
+        return mismatch
+    matched = prefix.overlaps(request.block_hashes) if request.block_hashes else {}
+    decoders = _candidates(state, request, matched, "decode", now)
+    if not decoders:
+        return NoPlacement("no_workers", f"no live decode worker serves model {request.model!r}")
+    prefillers = _candidates(state, request, matched, "prefill", now)
+    options: list[_Option] = []
+    decode_sides = []
+    for worker in decoders:
+        side = _side(worker, state, request, matched.get(worker.worker_id, 0), prefill=True)
+        options.append(_option(state, request, side, side, now))
+        decode_sides.append(side)
+    if prefillers:
+        pairs = state.config.pair_candidates
+        prefill_sides = sorted(
+            (_side(w, state, request, matched.get(w.worker_id, 0), prefill=True) for w in prefillers),
+            key=lambda s: (s.ready_s, s.prefill_gpu_s * s.worker.price_per_hour),
+        )[:pairs]
+        # Decode sides for a hand-off: the worker is ready when it has room for the KV.
+        handoff = sorted(
+            (
+                _side(s.worker, state, request, matched.get(s.worker.worker_id, 0), prefill=False)
+                for s in decode_sides
+            ),
+            key=lambda s: (s.ready_s, s.worker.price_per_hour),
+        )[:pairs]
+        for p in prefill_sides:
+            for d in handoff:
+                options.append(_option(state, request, p, d, now))
+    return options, len(decoders) + len(prefillers)
+
+
+def _best(options: list[_Option], request_id: str) -> _Option:
+    low = min(o.score for o in options)
+    if math.isinf(low):
+        # Nothing has a chance on the score; the likeliest to succeed, then the fastest.
+        best_p = max(o.probability for o in options)
+        tied = [o for o in options if o.probability == best_p]
+        low_c = min(o.completion_s for o in tied)
+        tied = [o for o in tied if o.completion_s == low_c]
+    else:
+        tied = [o for o in options if o.score == low]
+    if len(tied) == 1:
+        return tied[0]
+    return min(
+        tied,
+        key=lambda o: _tie_break(request_id, f"{o.prefill.worker.worker_id}>{o.decode.worker.worker_id}"),
+    )
+
+
+def place(
+    state: RouterState, request: RouteRequest, prefix: PrefixView, now: float
+) -> Placement | NoPlacement:
+    """Choose where the request's prefill and decode run, and count the placement in `state`."""
+    scored = _options(state, request, prefix, now)
+    if isinstance(scored, NoPlacement):
+        return scored
+    options, considered = scored
+    best = _best(options, request.request_id)
+    if request.deadline_at is not None and best.probability < state.config.min_success_probability:
+        return NoPlacement(
+            "infeasible",
+            f"no placement meets the deadline: the best completes in {best.completion_s:.2f} s "
+            f"(probability {best.probability:.3f}), {request.deadline_at - now:.2f} s are left",
+        )
+    prefill, decode = best.prefill, best.decode
+    block = request.block_size
+    blocks = -(-(request.prompt_tokens + request.max_tokens) // block)
+    state.count(prefill.worker.worker_id, request.prompt_tokens - prefill.cached_tokens, blocks)
+    if decode.worker is not prefill.worker:
+        state.count(decode.worker.worker_id, 0, blocks)
+    sunk = request.workflow_spent_usd
+    others = sorted((o for o in options if o is not best), key=lambda o: o.score)[:3]
+    return Placement(
+        mode=best.mode,
+        prefill_worker=prefill.worker.worker_id,
+        decode_worker=decode.worker.worker_id,
+        candidates=considered,
+        decode_load=load(decode.worker, state),
+        predicted_cached_tokens=prefill.cached_tokens,
+        predicted_ttft_s=best.ttft_s,
+        predicted_cost_usd=best.cost_usd,
+        success_probability=best.probability,
+        expected_cost_per_success_usd=best.scored(sunk).expected_cost_per_success_usd,
+        runners_up=tuple(o.scored(sunk) for o in others),
+        policy="ripplemesh",
+        predicted_completion_s=best.completion_s,
+    )
+
+
+def earliest_ttft(state: RouterState, request: RouteRequest, prefix: PrefixView, now: float) -> float | None:
+    """The lowest predicted time to first token over the live placements (None: no live decode
+    worker for the model, or a block-size mismatch). Changes nothing in `state`; admission uses
+    it to tell a deadline no placement can meet."""
+    scored = _options(state, request, prefix, now)
+    if isinstance(scored, NoPlacement):
+        return None
+    return min(o.ttft_s for o in scored[0])

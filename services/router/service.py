@@ -29,7 +29,16 @@ from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
 from services.router.kv_index import KvIndex, predicted_cached_tokens
 from services.router.kv_sync import KvSync
-from services.router.policy import NoPlacement, RouterState, WorkerView, place
+from services.router.policy import (
+    NoPlacement,
+    NoPrefix,
+    RouterConfig,
+    RouteRequest,
+    RouterState,
+    WorkerView,
+    place,
+)
+from services.router.speed import speed_for
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +52,10 @@ SPAN_KV_CANDIDATES = 16
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 
 
-def view_of(state: WorkerState) -> WorkerView:
+def view_of(state: WorkerState, shapes: dict[str, str] | None = None) -> WorkerView:
+    """The policy's view of a heartbeat; its speed from the GPU type and the model's shape
+    (`shapes`: model name -> sim model shape, from the mesh config), when both are known."""
+    speed = speed_for(state.gpu_type, (shapes or {}).get(state.model, state.model))
     return WorkerView(
         worker_id=state.worker_id,
         role=state.role,
@@ -55,6 +67,30 @@ def view_of(state: WorkerState) -> WorkerView:
         kv_blocks_used=state.kv_blocks_used,
         heartbeat_at=state.occurred_at,
         draining=state.draining,
+        gpu_type=state.gpu_type,
+        price_per_hour=state.price_per_hour,
+        **({"speed": speed} if speed is not None else {}),
+    )
+
+
+def route_request(request: InferenceRequest, workflow_spent_usd: float = 0.0) -> RouteRequest:
+    """The policy's view of an admitted request (`workflow_spent_usd`: the ledger's running
+    spend of its workflow, from the WORKFLOW_SPEND bucket, when known)."""
+    workflow = request.workflow
+    return RouteRequest(
+        request_id=request.request_id,
+        tenant=request.tenant,
+        model=request.model,
+        block_size=request.block_size,
+        block_hashes=request.block_hashes,
+        prompt_tokens=len(request.prompt_tokens),
+        max_tokens=request.max_tokens,
+        priority=request.priority,
+        deadline_at=request.deadline_at,
+        workflow_id=workflow.workflow_id if workflow is not None else None,
+        workflow_step=workflow.step if workflow is not None else None,
+        workflow_steps=workflow.steps if workflow is not None else None,
+        workflow_spent_usd=workflow_spent_usd,
     )
 
 
@@ -67,9 +103,12 @@ class RouterService:
         self._workers_changed = asyncio.Event()
         self.kv_index: KvIndex | None = None
         self.kv_sync: KvSync | None = None
+        self._shapes: dict[str, str] = {}
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.state.config = RouterConfig(kv_transfer_usd_per_gb=runtime.config.kv_transfer_usd_per_gb)
+        self._shapes = {m.name: m.shape for m in runtime.config.models}
         self.kv_index = KvIndex(runtime.config.block_size)
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
         runtime.spawn(self.kv_sync.run(), "kv-sync")
@@ -111,7 +150,7 @@ class RouterService:
                     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                         log.warning("bad worker state ignored", extra={"key": entry.key, "error": str(exc)})
                         continue
-                    self.state.observe(view_of(worker))
+                    self.state.observe(view_of(worker, self._shapes))
                     if self.kv_sync is not None:
                         self.kv_sync.observe(worker)
                     LIVE_WORKERS.set(len(live_workers_any(self.state)))
@@ -134,10 +173,9 @@ class RouterService:
             while True:
                 decision = place(
                     self.state,
-                    request_id=request.request_id,
-                    model=request.model,
-                    block_size=request.block_size,
-                    now=time.time(),
+                    route_request(request),
+                    self.kv_index if self.kv_index is not None else NoPrefix(),
+                    time.time(),
                 )
                 if not (isinstance(decision, NoPlacement) and decision.reason == "no_workers"):
                     break

@@ -45,10 +45,11 @@ from services.ledger import pricing
 from services.ledger import tasks as ledger_tasks
 from services.mesh.config import MeshConfig
 from services.router import policy as router_policy
-from services.router.policy import NoPlacement, RouterState, WorkerView
+from services.router.policy import NoPlacement, RouteRequest, RouterState, WorkerSpeed, WorkerView
+from services.router.speed import worker_speed
 from services.simulator.fleet import FleetSpec, PoolSpec
 from services.simulator.metrics import FleetSample, LatencySketch, SimResult, latency_stats, ratio
-from services.simulator.policies import FleetPrefixView, RouteQuery, make_router
+from services.simulator.policies import FleetPrefixView, make_router
 from services.simulator.worker import CANCELLED, DONE, FINISHED, PREFILLED, Seq, SimWorker
 from services.simulator.workload import Step, Task, Workload
 
@@ -205,6 +206,7 @@ class Simulator:
         self.all_workers: list[SimWorker] = []
         self.starting: dict[str, SimWorker] = {}
         self.prefix = FleetPrefixView(self.serving)
+        self._speeds: dict[str, WorkerSpeed] = {}  # each worker's roofline, for the router's view
         self.router = make_router(policy, self.prefix)
         self._pool_of: dict[str, PoolSpec] = {}
         self._pool_counter: dict[str, itertools.count[int]] = {}
@@ -275,6 +277,11 @@ class Simulator:
 
     def _observe(self, worker: SimWorker, now: float) -> None:
         blocks = worker.blocks
+        speed = self._speeds.get(worker.worker_id)
+        if speed is None:
+            speed = self._speeds[worker.worker_id] = worker_speed(
+                worker.perf, max_batch_tokens=worker.max_batch_tokens, max_running=worker.max_running
+            )
         self.router_state.observe(
             WorkerView(
                 worker_id=worker.worker_id,
@@ -287,8 +294,26 @@ class Simulator:
                 kv_blocks_used=blocks.used_blocks,
                 heartbeat_at=now,
                 draining=worker.draining,
+                gpu_type=worker.gpu_type,
+                price_per_hour=self.prices.get(worker.gpu_type, 0.0) * worker.tensor_parallel,
+                speed=speed,
+                kv_blocks_free=blocks.total_blocks - blocks.used_blocks - len(blocks._unreferenced),
+                queued_tokens=self._queued_tokens(worker, now),
             )
         )
+
+    def _queued_tokens(self, worker: SimWorker, now: float) -> int:
+        """The uncached prompt tokens in the worker's waiting queue (what a heartbeat reports)."""
+        if not worker.waiting:
+            return 0
+        self.prefix.now = now
+        size = worker.block_size
+        total = 0
+        for seq in worker.waiting:
+            if not seq.kv_import:
+                cached = self.prefix.overlap(worker.worker_id, seq.hashes) * size
+                total += max(1, seq.prompt_len + seq.generated - cached)
+        return total
 
     def _remove(self, worker: SimWorker, now: float) -> None:
         worker.removed_at = now
@@ -412,7 +437,22 @@ class Simulator:
         self.prefix.now = now
         placement = self.router(
             self.router_state,
-            RouteQuery(rid, self.workload.model, self.block_size, spec.block_hashes, prompt, now),
+            RouteRequest(
+                request_id=rid,
+                tenant=task.tenant,
+                model=self.workload.model,
+                block_size=self.block_size,
+                block_hashes=spec.block_hashes,
+                prompt_tokens=prompt,
+                max_tokens=output,
+                priority=task.priority,
+                deadline_at=req.deadline_at,
+                workflow_id=task.task_id if task.workflow else None,
+                workflow_step=index if task.workflow else None,
+                workflow_steps=task.steps if task.workflow else None,
+                workflow_spent_usd=task_run.spend,
+            ),
+            now,
         )
         if isinstance(placement, NoPlacement):
             self._reject(req, "router", placement.reason, now)

@@ -9,29 +9,18 @@ services import (tests/test_simulator.py patches a policy module and watches dec
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from services.router import baselines
 from services.router import policy as router_policy
-from services.router.policy import NoPlacement, Placement, RouterState
+from services.router.policy import NoPlacement, Placement, PrefixView, RouteRequest, RouterState
 from services.simulator.worker import SimWorker
 
-
-@dataclass(frozen=True, slots=True)
-class RouteQuery:
-    request_id: str
-    model: str
-    block_size: int
-    block_hashes: list[int]
-    prompt_tokens: int
-    now: float
-
-
-Router = Callable[[RouterState, RouteQuery], Placement | NoPlacement]
+# (router state, the request as the router sees it, now) -> the decision.
+Router = Callable[[RouterState, RouteRequest, float], Placement | NoPlacement]
 
 
 class FleetPrefixView:
-    """`baselines.PrefixView` over the simulated workers' block managers.
+    """`policy.PrefixView` over the simulated workers' block managers.
 
     `overlap` is a binary search for the first leading block missing from the worker's cache. It
     relies on the cache being prefix-closed per chain (a block is cached only if the blocks before
@@ -65,48 +54,57 @@ class FleetPrefixView:
                 high = middle
         return low
 
+    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Every serving worker's matched leading blocks (those matching none left out)."""
+        if not block_hashes:
+            return {}
+        first = block_hashes[0]
+        return {
+            worker_id: matched
+            for worker_id, worker in self.workers.items()
+            if first in worker.blocks._refs and (matched := self.overlap(worker_id, block_hashes))
+        }
 
-def _ripplemesh(state: RouterState, query: RouteQuery) -> Placement | NoPlacement:
-    return router_policy.place(
-        state, request_id=query.request_id, model=query.model, block_size=query.block_size, now=query.now
-    )
 
-
-def _least_loaded(state: RouterState, query: RouteQuery) -> Placement | NoPlacement:
+def _least_loaded(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
     return baselines.least_loaded(
-        state, request_id=query.request_id, model=query.model, block_size=query.block_size, now=query.now
+        state, request_id=q.request_id, model=q.model, block_size=q.block_size, now=now
     )
 
 
-def make_router(name: str, prefix: baselines.PrefixView) -> Router:
+def make_router(name: str, prefix: PrefixView) -> Router:
     """A fresh router for one run (its own round-robin cursor)."""
     if name == "ripplemesh":
-        return _ripplemesh
+
+        def ripplemesh(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
+            return router_policy.place(state, q, prefix, now)
+
+        return ripplemesh
     if name == "least_loaded":
         return _least_loaded
     if name == "round_robin":
         cursor = baselines.RoundRobinState()
 
-        def round_robin(state: RouterState, q: RouteQuery) -> Placement | NoPlacement:
+        def round_robin(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
             return baselines.round_robin(
                 state,
                 request_id=q.request_id,
                 model=q.model,
                 block_size=q.block_size,
-                now=q.now,
+                now=now,
                 cursor=cursor,
             )
 
         return round_robin
     if name == "dynamo_kv":
 
-        def dynamo_kv(state: RouterState, q: RouteQuery) -> Placement | NoPlacement:
+        def dynamo_kv(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
             return baselines.dynamo_kv(
                 state,
                 request_id=q.request_id,
                 model=q.model,
                 block_size=q.block_size,
-                now=q.now,
+                now=now,
                 block_hashes=q.block_hashes,
                 prompt_tokens=q.prompt_tokens,
                 prefix=prefix,
@@ -115,13 +113,13 @@ def make_router(name: str, prefix: baselines.PrefixView) -> Router:
         return dynamo_kv
     if name == "llmd_weighted":
 
-        def llmd_weighted(state: RouterState, q: RouteQuery) -> Placement | NoPlacement:
+        def llmd_weighted(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
             return baselines.llmd_weighted(
                 state,
                 request_id=q.request_id,
                 model=q.model,
                 block_size=q.block_size,
-                now=q.now,
+                now=now,
                 block_hashes=q.block_hashes,
                 prefix=prefix,
             )
@@ -129,13 +127,13 @@ def make_router(name: str, prefix: baselines.PrefixView) -> Router:
         return llmd_weighted
     if name == "sglang_cache_aware":
 
-        def sglang_cache_aware(state: RouterState, q: RouteQuery) -> Placement | NoPlacement:
+        def sglang_cache_aware(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
             return baselines.sglang_cache_aware(
                 state,
                 request_id=q.request_id,
                 model=q.model,
                 block_size=q.block_size,
-                now=q.now,
+                now=now,
                 block_hashes=q.block_hashes,
                 prefix=prefix,
             )
