@@ -35,15 +35,20 @@ DECISION_SECONDS = Histogram(
     "Time the policy took to decide one request (the last place() call; waits for workers aside).",
     buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1),
 )
+# Errors are recorded by size, labelled by direction (over: the prediction was above what
+# happened; under: below; exact), so each histogram keeps its sum (a histogram of signed values
+# would not export one).
 CACHED_TOKENS_ERROR = Histogram(
     "ripplemesh_router_prediction_error_cached_tokens",
-    "Actual minus predicted cached prompt tokens, per placement whose prefill completed.",
-    buckets=(-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096),
+    "|Actual - predicted| cached prompt tokens, per placement whose prefill completed.",
+    ["direction"],
+    buckets=(0, 1, 16, 64, 256, 1024, 4096),
 )
 TTFT_ERROR = Histogram(
     "ripplemesh_router_prediction_error_ttft_seconds",
-    "Actual minus predicted time from the routing decision to the first token.",
-    buckets=(-5.0, -1.0, -0.5, -0.1, -0.025, -0.005, 0.0, 0.005, 0.025, 0.1, 0.5, 1.0, 5.0),
+    "|Actual - predicted| time from the routing decision to the first token.",
+    ["direction"],
+    buckets=(0.001, 0.005, 0.025, 0.1, 0.5, 1.0, 5.0),
 )
 PREDICTIONS = Counter(
     "ripplemesh_router_predictions_total",
@@ -195,6 +200,11 @@ def count_decision(event: RouteDecision) -> None:
     DECISION_SECONDS.observe(event.decision_s)
 
 
+def _direction(error: float) -> str:
+    """An error's direction, from actual - predicted."""
+    return "under" if error > 0 else "over" if error < 0 else "exact"
+
+
 @dataclass(frozen=True, slots=True)
 class _Prediction:
     cached_tokens: int
@@ -230,8 +240,8 @@ class Predictions:
             return None
         cached_error = completed.cached_tokens - prediction.cached_tokens
         ttft_error = max(0.0, completed.occurred_at - prediction.decided_at) - prediction.ttft_s
-        CACHED_TOKENS_ERROR.observe(cached_error)
-        TTFT_ERROR.observe(ttft_error)
+        CACHED_TOKENS_ERROR.labels(_direction(cached_error)).observe(abs(cached_error))
+        TTFT_ERROR.labels(_direction(ttft_error)).observe(abs(ttft_error))
         PREDICTIONS.labels("compared").inc()
         return cached_error, ttft_error
 

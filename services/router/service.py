@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any, ClassVar
 
 import msgspec
@@ -19,6 +20,7 @@ from schemas.events import (
     PrefillWork,
     RequestAdmitted,
     RequestRouted,
+    RouteDecision,
     WorkerState,
     derived_event_id,
 )
@@ -27,6 +29,9 @@ from services.mesh.consumer import Delivery
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
+from services.mesh.workflow_spend_view import WorkflowSpendView
+from services.router import reporting
+from services.router.feedback import Feedback, count_peer_placement
 from services.router.kv_index import KvIndex, predicted_cached_tokens
 from services.router.kv_sync import KvSync
 from services.router.policy import (
@@ -48,6 +53,8 @@ LIVE_WORKERS = Gauge("ripplemesh_router_live_workers", "Live workers in the rout
 WAIT_FOR_WORKERS_S = 5.0
 # Candidates whose cached prefix the decision span lists (the longest first).
 SPAN_KV_CANDIDATES = 16
+# The policy named on a decision that placed nothing (a Placement names its own).
+POLICY = "ripplemesh"
 
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 
@@ -104,6 +111,11 @@ class RouterService:
         self.kv_index: KvIndex | None = None
         self.kv_sync: KvSync | None = None
         self._shapes: dict[str, str] = {}
+        # This replica, among the routers sharing the admitted stream (feedback.py).
+        self.replica_id = f"router-{uuid.uuid4().hex[:12]}"
+        self.predictions = reporting.Predictions()
+        self.workflow_spend: WorkflowSpendView | None = None
+        self.feedback: Feedback | None = None
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -113,6 +125,15 @@ class RouterService:
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
         runtime.spawn(self.kv_sync.run(), "kv-sync")
         runtime.spawn(self._watch_workers(), "watch-workers")
+        self.workflow_spend = WorkflowSpendView(runtime.bus)
+        runtime.spawn(self.workflow_spend.run(), "workflow-spend")
+        self.feedback = Feedback(
+            runtime.bus.nc, on_decision=self._on_route_decision, on_prefill_completed=self.predictions.compare
+        )
+        runtime.spawn(self.feedback.run(), "feedback")
+        # Hear the other replicas before placing anything (bounded: they are advisory).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.feedback.subscribed.wait(), timeout=2.0)
         await runtime.consume(ROUTER_CONSUMER, RequestAdmitted, self._on_admitted, max_inflight=256)
 
     async def stop(self) -> None:
@@ -169,14 +190,20 @@ class RouterService:
         request = event.request
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + WAIT_FOR_WORKERS_S
+        workflow_id = request.workflow.workflow_id if request.workflow is not None else None
+        spent = self.workflow_spend.spent(workflow_id) if self.workflow_spend is not None else 0.0
+        route = route_request(request, spent)
         with tracer().start_as_current_span("router.decide") as span:
             while True:
+                decided_at = time.time()
+                started = time.perf_counter()
                 decision = place(
                     self.state,
-                    route_request(request),
+                    route,
                     self.kv_index if self.kv_index is not None else NoPrefix(),
-                    time.time(),
+                    decided_at,
                 )
+                decision_s = time.perf_counter() - started
                 if not (isinstance(decision, NoPlacement) and decision.reason == "no_workers"):
                     break
                 remaining = give_up_at - loop.time()
@@ -185,22 +212,36 @@ class RouterService:
                 self._workers_changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._workers_changed.wait(), timeout=min(remaining, 0.25))
-            if isinstance(decision, NoPlacement):
-                span.set_attribute("ripple.router.outcome", decision.reason)
-                await self._reject(event, decision)
-                return
+            policy = decision.policy if not isinstance(decision, NoPlacement) else POLICY
             span.set_attributes(
-                {
-                    "ripple.router.mode": decision.mode,
-                    "ripple.router.prefill_worker": decision.prefill_worker,
-                    "ripple.router.decode_worker": decision.decode_worker,
-                    "ripple.router.candidates": decision.candidates,
-                    "ripple.router.decode_load": decision.decode_load,
-                }
+                reporting.span_attributes(
+                    decision,
+                    policy=policy,
+                    replica=self.replica_id,
+                    decision_s=decision_s,
+                    workflow_spent_usd=spent,
+                )
             )
-            self._record_cached_prefix(span, request, decision.prefill_worker)
-        now = time.time()
+            record = reporting.decision_event(
+                event_id=derived_event_id(event.event_id, "route_decision"),
+                decided_at=decided_at,
+                request=request,
+                decision=decision,
+                policy=policy,
+                replica=self.replica_id,
+                decision_s=decision_s,
+                workflow_spent_usd=spent,
+            )
+            reporting.count_decision(record)
+            if isinstance(decision, NoPlacement):
+                await self._reject(event, decision)
+                await self.runtime.bus.publish(event_subject("route_decision"), record)
+                return
+            self._record_cached_prefix(span, request)
+        now = decided_at  # PrefillWork's time is the decision's: the prediction's TTFT counts from it
         PLACEMENTS.labels(decision.mode).inc()
+        assert record.chosen is not None
+        self.predictions.record(request.request_id, record.chosen, decided_at)
         await self.runtime.bus.publish(
             work_subject("prefill", decision.prefill_worker),
             PrefillWork(
@@ -209,35 +250,38 @@ class RouterService:
                 request=request,
                 prefill_worker=decision.prefill_worker,
                 decode_worker=decision.decode_worker,
+                prediction=record.chosen,
             ),
         )
-        await self.runtime.bus.publish(
-            event_subject("routed"),
-            RequestRouted(
-                event_id=derived_event_id(event.event_id, "routed"),
-                occurred_at=now,
-                request_id=request.request_id,
-                tenant=request.tenant,
-                mode=decision.mode,
-                prefill_worker=decision.prefill_worker,
-                decode_worker=decision.decode_worker,
-                candidates=decision.candidates,
-                predicted_load=decision.decode_load,
-            ),
+        routed = RequestRouted(
+            event_id=derived_event_id(event.event_id, "routed"),
+            occurred_at=now,
+            request_id=request.request_id,
+            tenant=request.tenant,
+            mode=decision.mode,
+            prefill_worker=decision.prefill_worker,
+            decode_worker=decision.decode_worker,
+            candidates=decision.candidates,
+            predicted_load=decision.decode_load,
+        )
+        # The other replicas count this placement on the workers' load as soon as they read it.
+        await asyncio.gather(
+            self.runtime.bus.publish(event_subject("route_decision"), record),
+            self.runtime.bus.publish(event_subject("routed"), routed),
         )
 
-    def _record_cached_prefix(self, span: Any, request: InferenceRequest, prefill_worker: str) -> None:
-        """The prefix each candidate caches, from the KV index, on the decision span: the chosen
-        prefill worker's as predicted cached tokens, and the longest few as ``worker=tokens``."""
+    def _on_route_decision(self, decision: RouteDecision) -> None:
+        """Another replica's placement: count it on its workers' load (feedback.py)."""
+        count_peer_placement(self.state, decision, self.replica_id)
+
+    def _record_cached_prefix(self, span: Any, request: InferenceRequest) -> None:
+        """The prefix each live worker caches, from the KV index, on the decision span: the
+        longest few as ``worker=tokens``."""
         if self.kv_index is None:
             return
         try:
             matched = self.kv_index.overlaps(request.block_hashes)
             size, prompt = self.kv_index.block_size, len(request.prompt_tokens)
-            span.set_attribute(
-                "ripple.router.predicted_cached_tokens",
-                predicted_cached_tokens(matched.get(prefill_worker, 0), prompt, size),
-            )
             live = {w.worker_id for w in live_workers_any(self.state) if w.model == request.model}
             best = sorted(((n, w) for w, n in matched.items() if w in live), reverse=True)
             span.set_attribute(
@@ -257,10 +301,11 @@ class RouterService:
             workflow=event.request.workflow,
             deadline_at=event.request.deadline_at,
             stage="router",
-            reason=decision.reason,
+            # No placement can meet the deadline: a deadline rejection (retrying cannot help).
+            reason="deadline" if decision.reason == "infeasible" else decision.reason,
             message=decision.message,
-            http_status=503 if decision.reason == "no_workers" else 500,
-            retry_after_s=5.0,
+            http_status=500 if decision.reason == "invalid" else 503,
+            retry_after_s=None if decision.reason == "infeasible" else 5.0,
         )
 
 

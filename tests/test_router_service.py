@@ -1,0 +1,551 @@
+"""The router service on a real NATS server: every decision as a RouteDecision with its predictions,
+decision and prediction-error metrics, the workflow's spend from the ledger's bucket, and two
+active-active replicas that share the load they place instead of herding onto one worker.
+
+Routers run in this process (two RouterService instances, each with its own connection, as two
+processes would have); workers are heartbeats in the WORKERS bucket plus a KV dump responder, so
+the placements land nowhere and are counted where they are published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+from prometheus_client import REGISTRY
+
+from schemas.events import (
+    InferenceRequest,
+    KvDump,
+    PrefillCompleted,
+    PrefillWork,
+    RequestAdmitted,
+    RequestRejected,
+    RouteDecision,
+    WorkerState,
+    WorkflowRef,
+    WorkflowSpend,
+    encode_event,
+    new_event_id,
+)
+from schemas.subjects import WORKERS, WORKFLOW_SPEND, admitted_subject, event_subject, kv_dump_subject
+from services.mesh.block_hash import chain_block_hashes
+from services.mesh.bus import Bus
+from services.mesh.config import MeshConfig, load_config
+from services.mesh.embedded_nats import EmbeddedNats
+from services.mesh.runtime import Runtime, ServiceOptions
+from services.mesh.workflow_spend_view import WorkflowSpendView
+from services.router.kv_index import KvIndex
+from services.router.policy import RouterState, place
+from services.router.service import RouterService, route_request, view_of
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "llama-3-8b"
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """A NATS server of this module's own: no other router consumes its admitted requests."""
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats-router")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def bus(own_nats: EmbeddedNats) -> AsyncIterator[Bus]:
+    connected = await Bus.connect(own_nats.url, "tests")
+    await connected.provision()
+    yield connected
+    await connected.close()
+
+
+@contextlib.asynccontextmanager
+async def router_replica(url: str, config: MeshConfig, data_dir: Path) -> AsyncIterator[RouterService]:
+    """One router replica with its own connection, started and stopped as its process would be."""
+    bus = await Bus.connect(url, "router")
+    await bus.provision()
+    runtime = Runtime("router", ServiceOptions(nats_url=url, data_dir=data_dir, config=config), bus)
+    service = RouterService()
+    await service.start(runtime)
+    try:
+        yield service
+    finally:
+        await runtime.stop_consumers()
+        await service.stop()
+        await runtime.cancel_tasks()
+        await bus.close()
+
+
+def counter(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def eventually(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(0.02)
+
+
+class Fleet:
+    """Decode workers as the router sees them: heartbeats in WORKERS, and a KV dump responder
+    for each (the blocks it caches)."""
+
+    def __init__(self, bus: Bus, label: str, count: int):
+        self.bus = bus
+        self.ids = [f"{label}-{uuid.uuid4().hex[:6]}-{i}" for i in range(count)]
+        self.started_at = time.time()
+        self.blocks: dict[str, list[int]] = {w: [] for w in self.ids}
+        self._subs: list[Any] = []
+
+    async def start(self) -> Fleet:
+        for worker_id in self.ids:
+            self._subs.append(await self.bus.nc.subscribe(kv_dump_subject(worker_id), cb=self._dump))
+        await self.bus.nc.flush()
+        return self
+
+    async def stop(self) -> None:
+        kv = await self.bus.key_value(WORKERS)
+        for worker_id in self.ids:
+            with contextlib.suppress(Exception):
+                await kv.delete(worker_id)
+        for sub in self._subs:
+            await sub.unsubscribe()
+
+    def state(self, worker_id: str, *, queue_depth: int = 0, block_size: int = BLOCK_SIZE) -> WorkerState:
+        return WorkerState(
+            event_id=new_event_id(),
+            occurred_at=time.time(),
+            worker_id=worker_id,
+            role="decode",
+            pool="decode-H100",
+            model=MODEL,
+            engine="sim",
+            gpu_type="H100",
+            price_per_hour=3.6,
+            block_size=block_size,
+            kv_blocks_total=30_000,
+            kv_blocks_used=0,
+            kv_blocks_cached=len(self.blocks[worker_id]),
+            queue_depth=queue_depth,
+            running=0,
+            tokens_per_s=0.0,
+            started_at=self.started_at,
+        )
+
+    async def heartbeat(self, **queue_depths: int) -> list[WorkerState]:
+        kv = await self.bus.key_value(WORKERS)
+        states = [self.state(w, queue_depth=queue_depths.get(w, 0)) for w in self.ids]
+        for state in states:
+            await kv.put(state.worker_id, encode_event(state))
+        return states
+
+    async def _dump(self, msg: Msg) -> None:
+        worker_id = msg.subject.split(".")[2]
+        dump = KvDump(
+            event_id=new_event_id(),
+            occurred_at=time.time(),
+            worker_id=worker_id,
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+            seq=0,
+            block_hashes=self.blocks[worker_id],
+            started_at=self.started_at,
+        )
+        await msg.respond(encode_event(dump))
+
+
+def inference_request(
+    tokens: list[int],
+    *,
+    max_tokens: int = 16,
+    deadline_at: float | None = None,
+    workflow: WorkflowRef | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=f"r-{uuid.uuid4().hex[:12]}",
+        tenant="acme",
+        model=MODEL,
+        api="nats",
+        prompt_tokens=tokens,
+        block_size=block_size,
+        block_hashes=chain_block_hashes(tokens, block_size, model=MODEL),
+        max_tokens=max_tokens,
+        deadline_at=deadline_at,
+        workflow=workflow,
+        submitted_at=time.time(),
+    )
+
+
+async def admit(bus: Bus, request: InferenceRequest) -> None:
+    await bus.publish(
+        admitted_subject("standard"),
+        RequestAdmitted(event_id=new_event_id(), occurred_at=time.time(), request=request),
+    )
+
+
+class Collected:
+    """Core subscriptions to what the routers publish: work, decisions, rejections."""
+
+    def __init__(self) -> None:
+        self.work: dict[str, PrefillWork] = {}
+        self.decisions: dict[str, RouteDecision] = {}
+        self.rejections: dict[str, RequestRejected] = {}
+
+    async def start(self, bus: Bus) -> Collected:
+        async def on_work(msg: Msg) -> None:
+            work = msgspec.json.decode(msg.data, type=PrefillWork)
+            self.work[work.request.request_id] = work
+
+        async def on_decision(msg: Msg) -> None:
+            decision = msgspec.json.decode(msg.data, type=RouteDecision)
+            self.decisions[decision.request_id] = decision
+
+        async def on_rejection(msg: Msg) -> None:
+            rejection = msgspec.json.decode(msg.data, type=RequestRejected)
+            self.rejections[rejection.request_id] = rejection
+
+        await bus.nc.subscribe("rmesh.work.prefill.*", cb=on_work)
+        await bus.nc.subscribe(event_subject("route_decision"), cb=on_decision)
+        await bus.nc.subscribe(event_subject("rejected"), cb=on_rejection)
+        await bus.nc.flush()
+        return self
+
+
+def placed_total() -> float:
+    return sum(
+        counter("ripplemesh_router_decisions_total", policy="ripplemesh", outcome="placed", mode=mode)
+        for mode in ("aggregated", "disaggregated")
+    )
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- decisions, metrics, predictions
+
+
+async def test_every_decision_is_an_event_with_its_predictions_and_is_counted(
+    bus: Bus, own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(11)
+    prefix = random_tokens(rng, 1024)
+    fleet = await Fleet(bus, "dec", 2).start()
+    holder = fleet.ids[0]
+    fleet.blocks[holder] = chain_block_hashes(prefix, BLOCK_SIZE, model=MODEL)
+    collected = await Collected().start(bus)
+    config = load_config(test_config)
+    placed = placed_total()
+    invalid = counter(
+        "ripplemesh_router_decisions_total", policy="ripplemesh", outcome="invalid", mode="none"
+    )
+    infeasible = counter(
+        "ripplemesh_router_decisions_total", policy="ripplemesh", outcome="infeasible", mode="none"
+    )
+    timed = counter("ripplemesh_router_decision_seconds_count")
+    compared = counter("ripplemesh_router_prediction_error_cached_tokens_count", direction="under")
+    cached_error_sum = counter("ripplemesh_router_prediction_error_cached_tokens_sum", direction="under")
+    ttft_error_sum = counter("ripplemesh_router_prediction_error_ttft_seconds_sum", direction="under")
+    try:
+        async with router_replica(own_nats.url, config, tmp_path) as router:
+            await fleet.heartbeat()
+            assert router.kv_index is not None
+            await eventually(
+                lambda: router.kv_index.synced(holder) and router.kv_index.block_count(holder) == 64
+            )
+
+            # Placed: on the worker caching the prefix, with what the policy predicted.
+            request = inference_request(prefix + random_tokens(rng, 200))
+            await admit(bus, request)
+            await eventually(
+                lambda: request.request_id in collected.decisions and request.request_id in collected.work
+            )
+            decision = collected.decisions[request.request_id]
+            work = collected.work[request.request_id]
+            assert decision.outcome == "placed" and decision.policy == "ripplemesh"
+            assert decision.router == router.replica_id
+            assert decision.chosen is not None and decision.chosen.prefill_worker == holder
+            assert decision.chosen.cached_tokens == 1024  # the whole prefix, as the index holds it
+            assert decision.chosen.ttft_s > 0 and 0 < decision.chosen.success_probability <= 1
+            assert decision.chosen.expected_cost_per_success_usd is not None
+            assert fleet.ids[1] in {o.prefill_worker for o in decision.runners_up}
+            assert all(o.expected_cost_per_success_usd is not None for o in decision.runners_up)
+            assert decision.prompt_tokens == 1224 and decision.kv_blocks == -(-(1224 + 16) // BLOCK_SIZE)
+            assert decision.candidates >= 2 and decision.decision_s > 0
+            # The index's size is exported while the router runs.
+            assert counter("ripplemesh_router_kv_indexed_blocks") >= 64
+            # The prediction travels with the work, timed from the decision.
+            assert work.prediction == decision.chosen and work.occurred_at == decision.occurred_at
+
+            # The prefill's outcome, 16 more tokens cached than predicted, 50 ms later than predicted.
+            completed = PrefillCompleted(
+                event_id=new_event_id(),
+                occurred_at=decision.occurred_at + decision.chosen.ttft_s + 0.05,
+                request_id=request.request_id,
+                tenant="acme",
+                worker_id=holder,
+                gpu_type="H100",
+                gpu_seconds=0.01,
+                prompt_tokens=1224,
+                cached_tokens=decision.chosen.cached_tokens + 16,
+                ttft_s=0.2,
+            )
+            await bus.publish(event_subject("prefill_completed"), completed)
+            await eventually(
+                lambda: (
+                    counter("ripplemesh_router_prediction_error_cached_tokens_count", direction="under")
+                    > compared
+                )
+            )
+            # 16 tokens and 50 ms more than predicted: under-predictions of that size.
+            assert counter("ripplemesh_router_prediction_error_cached_tokens_sum", direction="under") == (
+                cached_error_sum + 16
+            )
+            assert counter(
+                "ripplemesh_router_prediction_error_ttft_seconds_sum", direction="under"
+            ) == pytest.approx(ttft_error_sum + 0.05, abs=1e-6)
+            assert len(router.predictions) == 0
+            # Another router's (or an unknown) request is not compared.
+            await bus.publish(
+                event_subject("prefill_completed"),
+                msgspec.structs.replace(completed, event_id=new_event_id(), request_id="r-elsewhere"),
+            )
+            # Not placed: a block size no worker uses, and a deadline already past.
+            mismatched = inference_request(random_tokens(rng, 64), block_size=32)
+            late = inference_request(random_tokens(rng, 64), deadline_at=time.time() - 1.0)
+            await admit(bus, mismatched)
+            await admit(bus, late)
+            await eventually(lambda: {mismatched.request_id, late.request_id} <= set(collected.rejections))
+            await eventually(lambda: {mismatched.request_id, late.request_id} <= set(collected.decisions))
+            assert collected.decisions[mismatched.request_id].outcome == "invalid"
+            assert "block size mismatch" in (collected.decisions[mismatched.request_id].message or "")
+            assert collected.decisions[late.request_id].outcome == "infeasible"
+            assert collected.decisions[late.request_id].chosen is None
+            assert not {mismatched.request_id, late.request_id} & set(collected.work)
+            assert (
+                counter("ripplemesh_router_prediction_error_cached_tokens_count", direction="under")
+                == compared + 1
+            )
+        assert placed_total() == placed + 1
+        assert counter(
+            "ripplemesh_router_decisions_total", policy="ripplemesh", outcome="invalid", mode="none"
+        ) == (invalid + 1)
+        assert (
+            counter(
+                "ripplemesh_router_decisions_total", policy="ripplemesh", outcome="infeasible", mode="none"
+            )
+            == infeasible + 1
+        )
+        assert counter("ripplemesh_router_decision_seconds_count") >= timed + 3
+    finally:
+        await fleet.stop()
+
+
+# ---------------------------------------------------------------- workflow spend
+
+
+async def test_the_workflows_spend_reaches_the_decision(
+    bus: Bus, own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(12)
+    fleet = await Fleet(bus, "wf", 1).start()
+    collected = await Collected().start(bus)
+    spend_kv = await bus.key_value(WORKFLOW_SPEND)
+    now = time.time()
+    running = WorkflowSpend(
+        workflow_id=f"wf-{uuid.uuid4().hex[:8]}",
+        tenant="acme",
+        spend_usd=1.25,
+        gpu_seconds=1200.0,
+        steps_completed=3,
+        steps=5,
+        status="running",
+        first_event_at=now - 60,
+        last_event_at=now - 1,
+        updated_at=now,
+    )
+    failed = msgspec.structs.replace(
+        running, workflow_id=f"wf-{uuid.uuid4().hex[:8]}", status="failed", reason="step_failed"
+    )
+    await spend_kv.put(running.workflow_id, msgspec.json.encode(running))
+    await spend_kv.put(failed.workflow_id, msgspec.json.encode(failed))
+    try:
+        async with router_replica(own_nats.url, load_config(test_config), tmp_path) as router:
+            await fleet.heartbeat()
+            assert router.workflow_spend is not None
+            await eventually(lambda: router.workflow_spend.spent(running.workflow_id) == 1.25)
+            requests = {
+                "running": inference_request(
+                    random_tokens(rng, 64),
+                    workflow=WorkflowRef(workflow_id=running.workflow_id, step=4, steps=5),
+                ),
+                "failed": inference_request(
+                    random_tokens(rng, 64),
+                    workflow=WorkflowRef(workflow_id=failed.workflow_id, step=4, steps=5),
+                ),
+                "unknown": inference_request(
+                    random_tokens(rng, 64), workflow=WorkflowRef(workflow_id="wf-unknown", step=1)
+                ),
+                "none": inference_request(random_tokens(rng, 64)),
+            }
+            for request in requests.values():
+                await admit(bus, request)
+            ids = {r.request_id for r in requests.values()}
+            await eventually(lambda: ids <= set(collected.decisions))
+            spent = {
+                name: collected.decisions[r.request_id].workflow_spent_usd for name, r in requests.items()
+            }
+            assert spent == {"running": 1.25, "failed": 0.0, "unknown": 0.0, "none": 0.0}
+            assert collected.decisions[requests["running"].request_id].workflow_step == 4
+
+            # A newer figure replaces it; the entry's deletion forgets it.
+            await spend_kv.put(
+                running.workflow_id,
+                msgspec.json.encode(msgspec.structs.replace(running, spend_usd=2.5, updated_at=now + 1)),
+            )
+            await eventually(lambda: router.workflow_spend.spent(running.workflow_id) == 2.5)
+            await spend_kv.delete(running.workflow_id)
+            await eventually(lambda: router.workflow_spend.spent(running.workflow_id) == 0.0)
+    finally:
+        await fleet.stop()
+
+
+def test_the_spend_view_ignores_bad_and_older_entries() -> None:
+    view = WorkflowSpendView(bus=None)  # type: ignore[arg-type]  # apply() needs no connection
+    value = WorkflowSpend(
+        workflow_id="wf-a",
+        tenant="acme",
+        spend_usd=0.5,
+        gpu_seconds=10.0,
+        steps_completed=1,
+        status="running",
+        first_event_at=1.0,
+        last_event_at=2.0,
+        updated_at=3.0,
+    )
+    assert view.apply("wf-a", msgspec.json.encode(value), "PUT") == "applied"
+    older = msgspec.structs.replace(value, spend_usd=0.1, updated_at=2.5)
+    assert view.apply("wf-a", msgspec.json.encode(older), "PUT") == "applied"
+    assert view.spent("wf-a") == 0.5
+    assert view.apply("wf-a", b"{not json", "PUT") == "invalid"
+    assert view.spent("wf-a") == 0.5 and view.spent(None) == 0.0 and view.spent("wf-b") == 0.0
+    assert view.apply("wf-a", None, "DEL") == "deleted"
+    assert view.spent("wf-a") == 0.0
+
+
+# ---------------------------------------------------------------- active-active replicas
+
+# A burst of requests sharing a prefix that one worker caches; the other workers each have a
+# queue. One router puts the first requests on the holder, then spreads once its queue catches
+# up with the others'. Two routers that did not see each other's placements would each do that,
+# and put twice as many on the holder.
+REPLICA_BURST = 32
+SHARED_PREFIX = 512
+SUFFIX = 1024
+OTHERS_QUEUE = 6
+
+
+def _burst(rng: random.Random) -> tuple[list[int], list[InferenceRequest]]:
+    prefix = random_tokens(rng, SHARED_PREFIX)
+    return prefix, [inference_request(prefix + random_tokens(rng, SUFFIX)) for _ in range(REPLICA_BURST)]
+
+
+def _offline_counts(
+    states: list[WorkerState], holder_blocks: list[int], requests: list[InferenceRequest], routers: int
+) -> collections.Counter[str]:
+    """Where `routers` routers that never hear of each other would put the burst, each taking its
+    share in turn: the pure policy, the same worker views and prefix."""
+    index = KvIndex(BLOCK_SIZE)
+    index.apply_dump(
+        KvDump(
+            event_id="d",
+            occurred_at=0.0,
+            worker_id=states[0].worker_id,
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+            seq=0,
+            block_hashes=holder_blocks,
+        )
+    )
+    shapes = {MODEL: MODEL}
+    counts: collections.Counter[str] = collections.Counter()
+    now = max(s.occurred_at for s in states) + 0.1
+    for r in range(routers):
+        state = RouterState()
+        for worker in states:
+            state.observe(view_of(worker, shapes))
+        for request in requests[r::routers]:
+            decision = place(state, route_request(request), index, now)
+            assert not hasattr(decision, "reason"), decision
+            counts[decision.prefill_worker] += 1  # type: ignore[union-attr]
+    return counts
+
+
+async def test_two_replicas_spread_a_burst_by_load_instead_of_herding(
+    bus: Bus, own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(13)
+    prefix, burst = _burst(rng)
+    fleet = await Fleet(bus, "herd", 4).start()
+    holder = fleet.ids[0]
+    fleet.blocks[holder] = chain_block_hashes(prefix, BLOCK_SIZE, model=MODEL)
+    queues = {w: OTHERS_QUEUE for w in fleet.ids[1:]}
+    collected = await Collected().start(bus)
+    config = load_config(test_config)
+    counted_before = counter("ripplemesh_router_peer_placements_total", outcome="counted")
+    try:
+        async with (
+            router_replica(own_nats.url, config, tmp_path / "a") as first,
+            router_replica(own_nats.url, config, tmp_path / "b") as second,
+        ):
+            replicas = (first, second)
+            await fleet.heartbeat(**queues)
+            for router in replicas:
+                assert router.kv_index is not None and router.feedback is not None
+                index = router.kv_index
+                await eventually(lambda index=index: index.synced(holder) and index.block_count(holder) > 0)
+                await asyncio.wait_for(router.feedback.subscribed.wait(), 5)
+            # A fresh heartbeat right before the burst: the burst is over long before the next
+            # one would be due, so only the placements (own and the other replica's) add load.
+            states = await fleet.heartbeat(**queues)
+            await eventually(
+                lambda: all(r.state.workers[holder].heartbeat_at == states[0].occurred_at for r in replicas)
+            )
+            for request in burst:
+                await admit(bus, request)
+                await asyncio.sleep(0.02)
+            ids = {r.request_id for r in burst}
+            await eventually(lambda: ids <= set(collected.work) and ids <= set(collected.decisions), 20)
+    finally:
+        await fleet.stop()
+
+    live = collections.Counter(collected.work[r.request_id].prefill_worker for r in burst)
+    by_replica = collections.Counter(collected.decisions[r.request_id].router for r in burst)
+    one_router = _offline_counts(states, fleet.blocks[holder], burst, 1)
+    blind_pair = _offline_counts(states, fleet.blocks[holder], burst, 2)
+    # Both replicas took a real share of the burst (a work-queue split), else nothing is shown.
+    assert len(by_replica) == 2 and min(by_replica.values()) >= REPLICA_BURST // 4, by_replica
+    # The scenario herds when replicas do not share: the blind pair piles more onto the holder.
+    assert blind_pair[holder] >= one_router[holder] + 6, (one_router, blind_pair)
+    # Sharing, the pair places about as one router would (a placement or two may cross in flight).
+    assert live[holder] <= one_router[holder] + 2, (live, one_router, blind_pair)
+    assert set(live) == set(fleet.ids), live  # the burst spread over every worker
+    assert (
+        counter("ripplemesh_router_peer_placements_total", outcome="counted")
+        >= counted_before + REPLICA_BURST // 2
+    )
