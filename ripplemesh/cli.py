@@ -476,6 +476,14 @@ def bench_simulator(
 
 @main.group()
 def ledger() -> None:
+@click.option(
+    "--admission",
+    "admissions",
+    multiple=True,
+    help="An admission variant: ripplemesh (default), rate_limit (the tenants' token buckets only; "
+    "rate_limit:tokens_per_s=N splits N tokens/s between tenants by weight) or none; options as "
+    "NAME:key=value,... Repeat it to compare several: every --policy runs under every --admission.",
+)
     """The cost ledger: cost per successful task, wasted and idle spend."""
 
 
@@ -509,6 +517,7 @@ def ledger() -> None:
 @click.option("--limit", default=50, show_default=True, help="Rows of --by workflow.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def ledger_report(
+    admissions: tuple[str, ...],
     by: str | None,
     since: str | None,
     database_url: str | None,
@@ -547,6 +556,7 @@ def schemas() -> None:
 @schemas.command("generate")
 @click.option("--check", is_flag=True, help="Only check that the generated files are current.")
 def schemas_generate(check: bool) -> None:
+            admissions=admissions,
     """Write JSON Schema and AsyncAPI documents from the msgspec Structs."""
     from schemas.generate import main as generate_main
 

@@ -77,6 +77,8 @@ def run(
     workload: Any, spec: FleetSpec, policy: str = "ripplemesh", **kwargs: Any
 ) -> tuple[SimResult, list[RequestRecord]]:
     log: list[RequestRecord] = []
+    # The tenants' quotas only (no deferral), unless a test asks for admission's other controls.
+    kwargs.setdefault("admission", "rate_limit")
     result = run_simulation(workload, spec, policy, request_log=log.append, **kwargs)
     return result, log
 
@@ -356,7 +358,7 @@ def test_every_request_ends_exactly_once_and_spend_adds_up() -> None:
 
 
 def _busy_by_gpu(workload: AgenticWorkload, spec: FleetSpec) -> dict[str, float]:
-    simulator = Simulator(workload, spec, "dynamo_kv")
+    simulator = Simulator(workload, spec, "dynamo_kv", admission="rate_limit")  # as run() above
     simulator.run()
     busy: dict[str, float] = {}
     for worker in simulator.all_workers:
@@ -377,11 +379,15 @@ def test_a_failed_step_fails_its_workflow_and_its_spend_is_waste() -> None:
 def test_a_late_step_misses_its_deadline() -> None:
     tenants = (AgenticTenant("t", "standard", 1.0, system_prompt_tokens=500, step_deadline_s=0.05),)
     workload = small_agentic(workflows=30, tenants_spec=tenants, output_tokens=200.0)
-    abandoned = run_simulation(workload, fleet(PoolSpec(replicas=1)))
+    # Without admission's deadline feasibility (which would reject these at once).
+    abandoned = run_simulation(workload, fleet(PoolSpec(replicas=1)), admission="none")
     assert abandoned.failures.get("client:deadline", 0) > 0
     assert abandoned.tasks_failed.get("step_failed", 0) > 0  # a cancelled step is a failed step
     late = run_simulation(
-        workload, fleet(PoolSpec(replicas=1)), options=SimOptions(abandon_past_deadline=False)
+        workload,
+        fleet(PoolSpec(replicas=1)),
+        options=SimOptions(abandon_past_deadline=False),
+        admission="none",
     )
     assert late.tasks_failed.get("deadline_missed", 0) > 0
     assert not late.failures  # they completed, too late

@@ -16,7 +16,14 @@ from schemas.events import (
     derived_event_id,
 )
 from schemas.subjects import ADMISSION_CONSUMER, admitted_subject
-from services.admission.policy import AdmissionState, Reject, TenantQuota, decide
+from services.admission.policy import (
+    AdmissionLimits,
+    AdmissionRequest,
+    AdmissionState,
+    Reject,
+    TenantQuota,
+    decide,
+)
 from services.mesh.consumer import Delivery
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
@@ -49,7 +56,7 @@ class AdmissionService:
         return []
 
     def health(self) -> dict[str, Any]:
-        return {"tenants_tracked": len(self.state.buckets)}
+        return {"tenants_tracked": len(self.state.usage)}
 
     def _quota(self, tenant: str) -> TenantQuota | None:
         assert self.runtime is not None
@@ -57,7 +64,10 @@ class AdmissionService:
         if config is None:
             return None
         return TenantQuota(
-            config.requests_per_s, config.request_burst, config.tokens_per_s, config.token_burst
+            requests_per_s=config.requests_per_s,
+            request_burst=config.request_burst,
+            tokens_per_s=config.tokens_per_s,
+            token_burst=config.token_burst,
         )
 
     async def _on_prepared(self, event: RequestPrepared, delivery: Delivery) -> None:
@@ -67,10 +77,17 @@ class AdmissionService:
         with tracer().start_as_current_span("admission.decide") as span:
             decision = decide(
                 self.state,
-                tenant=request.tenant,
+                request=AdmissionRequest(
+                    request_id=request.request_id,
+                    tenant=request.tenant,
+                    priority=request.priority,
+                    input_tokens=len(request.prompt_tokens),
+                    output_tokens=request.max_tokens,
+                    submitted_at=request.submitted_at,
+                    deadline_at=request.deadline_at,
+                ),
                 quota=self._quota(request.tenant),
-                tokens=len(request.prompt_tokens) + request.max_tokens,
-                deadline_at=request.deadline_at,
+                limits=AdmissionLimits(control="rate_limit"),
                 now=now,
             )
             span.set_attribute("ripple.admission.outcome", decision.outcome)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from services.simulator.admission import DEFAULT_ADMISSION
 from services.simulator.core import SimOptions
 from services.simulator.fleet import parse_fleet
 from services.simulator.harness import compare
@@ -49,8 +50,10 @@ def simulate(
     upper_bound: bool = True,
     plots: bool = True,
     console: Console | None = None,
+    admissions: Sequence[str] = (),
 ) -> list[SimResult]:
-    """Run every policy in `policies` (all of them when empty) on the workload and fleet."""
+    """Run every policy in `policies` (all of them when empty) under every admission variant in
+    `admissions` (ripplemesh's when empty; simulator/admission.py) on the workload and fleet."""
     spec = workload
     if seed is not None and (spec == "agentic" or spec.startswith("agentic:")) and "seed=" not in spec:
         spec = f"{spec}{',' if ':' in spec else ':'}seed={seed}"
@@ -81,4 +84,5 @@ def simulate(
         out=out,
         console=console,
         plots=plots,
+        admissions=list(admissions) or [DEFAULT_ADMISSION],
     )

@@ -37,8 +37,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.events import WorkflowSpend
 from services.admission import policy as admission_policy
-from services.admission.policy import AdmissionState, Reject
+from services.admission.policy import (
+    AdmissionRequest,
+    AdmissionState,
+    Admit,
+    Defer,
+    Prediction,
+    Reject,
+    workflow_standing,
+)
 from services.autoscaler import policy as autoscaler_policy
 from services.autoscaler.policy import WorkerLoad
 from services.ledger import pricing
@@ -47,6 +56,7 @@ from services.mesh.config import MeshConfig
 from services.router import policy as router_policy
 from services.router.policy import NoPlacement, RouteRequest, RouterState, WorkerSpeed, WorkerView
 from services.router.speed import worker_speed
+from services.simulator.admission import DEFAULT_ADMISSION, AdmissionVariant, parse_admission
 from services.simulator.fleet import FleetSpec, PoolSpec
 from services.simulator.metrics import FleetSample, LatencySketch, SimResult, latency_stats, ratio
 from services.simulator.policies import FleetPrefixView, make_router
@@ -54,7 +64,7 @@ from services.simulator.worker import CANCELLED, DONE, FINISHED, PREFILLED, Seq,
 from services.simulator.workload import Step, Task, Workload
 
 # Event kinds.
-_STEP, _ARRIVAL, _NEXT_STEP, _IMPORT, _DEADLINE, _HEARTBEAT, _AUTOSCALE, _READY, _KICK = range(9)
+_STEP, _ARRIVAL, _NEXT_STEP, _IMPORT, _DEADLINE, _HEARTBEAT, _AUTOSCALE, _READY, _KICK, _ADMISSION = range(10)
 
 Progress = Callable[[int, int | None], None]
 
@@ -162,6 +172,16 @@ class _RequestRun:
         self.done = False
 
 
+class _TenantFigures:
+    __slots__ = ("admitted", "admitted_tokens", "requests", "slo_met")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.admitted = 0
+        self.admitted_tokens = 0
+        self.slo_met = 0
+
+
 class Simulator:
     def __init__(
         self,
@@ -174,8 +194,10 @@ class Simulator:
         progress: Progress | None = None,
         prices: dict[str, float] | None = None,
         request_log: RequestLog | None = None,
+        admission: AdmissionVariant | str = DEFAULT_ADMISSION,
     ):
         self.request_log = request_log
+        self.admission_variant = parse_admission(admission) if isinstance(admission, str) else admission
         self.workload = workload
         self.fleet = fleet
         self.policy_name = policy
@@ -201,6 +223,14 @@ class Simulator:
         self._order = itertools.count()
         # Services' state.
         self.admission = AdmissionState()
+        self.admission_limits = self.admission_variant.limits
+        self._quotas = self.admission_variant.quotas({n: t.quota for n, t in workload.tenants.items()})
+        self._admitting: dict[str, _RequestRun] = {}  # deferred requests (and the one being decided)
+        self._admission_tick_at: float | None = None
+        self.deferred = 0
+        self.deferral = LatencySketch()
+        self.by_tenant: dict[str, _TenantFigures] = {}
+        self.slo_by_priority: dict[str, list[int]] = {}  # priority -> [met, issued]
         self.router_state = RouterState()
         self.serving: dict[str, SimWorker] = {}  # workers that take (or finish) work
         self.all_workers: list[SimWorker] = []
@@ -303,12 +333,13 @@ class Simulator:
         )
 
     def _queued_tokens(self, worker: SimWorker, now: float) -> int:
-        """The uncached prompt tokens in the worker's waiting queue (what a heartbeat reports)."""
+        """The prompt tokens the worker has yet to prefill (what a heartbeat reports): the rest of
+        the prompts in its batch, and the uncached part of those waiting."""
+        total = sum(seq.prompt_len + seq.generated - seq.computed for seq in worker.prefilling)
         if not worker.waiting:
-            return 0
+            return total
         self.prefix.now = now
         size = worker.block_size
-        total = 0
         for seq in worker.waiting:
             if not seq.kv_import:
                 cached = self.prefix.overlap(worker.worker_id, seq.hashes) * size
@@ -399,6 +430,9 @@ class Simulator:
                 if obj.removed_at is None:
                     self._serve(obj, at)
         self.events = events
+            elif kind == _ADMISSION:
+                if at == self._admission_tick_at:
+                    self._admission_tick(at)
         if self.progress is not None:
             self.progress(self.tasks_ended, self._total_hint)
         return self._result(time.perf_counter() - started)
@@ -422,18 +456,13 @@ class Simulator:
         req = _RequestRun(task_run, index, rid, spec, now)
         self.requests += 1
         prompt, output = spec.prompt_tokens, spec.output_tokens
-        tenant = self.workload.tenants.get(task.tenant)
-        decision = admission_policy.decide(
-            self.admission,
-            tenant=task.tenant,
-            quota=tenant.quota if tenant is not None else None,
-            tokens=prompt + output,
-            deadline_at=req.deadline_at,
-            now=now,
-        )
-        if isinstance(decision, Reject):
-            self._reject(req, "admission", decision.reason, now)
-            return
+        if self._admit(req, now):
+            self._route(req, now)
+
+    def _route(self, req: _RequestRun, now: float) -> None:
+        """Place an admitted request and hand it to its workers."""
+        task_run, spec, index, rid = req.task_run, req.spec, req.index, req.rid
+        task = task_run.task
         self.prefix.now = now
         placement = self.router(
             self.router_state,
@@ -487,6 +516,157 @@ class Simulator:
             self._push(req.deadline_at, _DEADLINE, req)
 
     def _upper_bound(self, spec: Step) -> int:
+    # ------------------------------------------------------------ admission
+
+    def _admit(self, req: _RequestRun, now: float) -> bool:
+        """Admission's decision on a new request: True when it goes on to the router now."""
+        task = req.task_run.task
+        figures = self.by_tenant.get(task.tenant)
+        if figures is None:
+            figures = self.by_tenant[task.tenant] = _TenantFigures()
+        figures.requests += 1
+        self.slo_by_priority.setdefault(task.priority, [0, 0])[1] += 1
+        if self.admission.fleet is None:
+            self._observe_fleet(now)
+        self._admitting[req.rid] = req
+        decision = admission_policy.decide(
+            self.admission,
+            request=self._admission_request(req),
+            quota=self._quotas.get(task.tenant),
+            limits=self.admission_limits,
+            now=now,
+            predict=self._predict,
+        )
+        if isinstance(decision, Defer):
+            self.deferred += 1
+            self._schedule_admission(decision.due)
+        else:
+            del self._admitting[req.rid]
+        go = isinstance(decision, Admit)
+        if go:
+            self._admitted(req, 0.0)
+        elif isinstance(decision, Reject):
+            self._reject(req, "admission", decision.reason, now)
+        self._admission_outcomes(now)
+        return go
+
+    def _admission_request(self, req: _RequestRun) -> AdmissionRequest:
+        task_run = req.task_run
+        task, spec = task_run.task, req.spec
+        # The ledger's running total, as WORKFLOW_SPEND would hold it for the workflow.
+        spend = (
+            WorkflowSpend(
+                workflow_id=task.task_id,
+                tenant=task.tenant,
+                spend_usd=task_run.spend,
+                gpu_seconds=task_run.gpu_s,
+                steps_completed=task_run.max_completed_step,
+                steps=task.steps,
+                status="running",
+                first_event_at=task.arrival_s,
+                last_event_at=req.arrival,
+                updated_at=req.arrival,
+            )
+            if task.workflow and req.index > 1
+            else None
+        )
+        return AdmissionRequest(
+            request_id=req.rid,
+            tenant=task.tenant,
+            priority=task.priority,
+            input_tokens=spec.prompt_tokens,
+            output_tokens=spec.output_tokens,
+            submitted_at=req.arrival,
+            deadline_at=req.deadline_at,
+            workflow_id=task.task_id if task.workflow else None,
+            workflow_step=req.index if task.workflow else None,
+            workflow_standing=workflow_standing(req.index if task.workflow else None, spend),
+            workflow_spent_usd=task_run.spend,
+            # About what the mesh holds for a deferred request: its RequestPrepared, JSON.
+            size_bytes=600 + 6 * spec.prompt_tokens + 20 * len(spec.block_hashes),
+        )
+
+    def _predict(self, request: AdmissionRequest) -> Prediction | None:
+        """The router's prediction of the request's first token (earliest_ttft over the live
+        placements), and of its last at the fleet's fastest decode."""
+        req = self._admitting[request.request_id]
+        task_run = req.task_run
+        task = task_run.task
+        now = self.now
+        self.prefix.now = now
+        ttft = router_policy.earliest_ttft(
+            self.router_state,
+            RouteRequest(
+                request_id=req.rid,
+                tenant=task.tenant,
+                model=self.workload.model,
+                block_size=self.block_size,
+                block_hashes=req.spec.block_hashes,
+                prompt_tokens=request.input_tokens,
+                max_tokens=request.output_tokens,
+                priority=task.priority,
+                deadline_at=req.deadline_at,
+                workflow_id=request.workflow_id,
+                workflow_step=request.workflow_step,
+                workflow_steps=task.steps if task.workflow else None,
+                workflow_spent_usd=task_run.spend,
+            ),
+            self.prefix,
+            now,
+        )
+        return admission_policy.prediction(ttft, request, self.admission)
+
+    def _admitted(self, req: _RequestRun, waited_s: float) -> None:
+        figures = self.by_tenant[req.task_run.task.tenant]
+        figures.admitted += 1
+        figures.admitted_tokens += req.spec.prompt_tokens + req.spec.output_tokens
+        if waited_s > 0:
+            self.deferral.add(waited_s)
+
+    def _admission_outcomes(self, now: float) -> None:
+        """Route or reject the deferred requests admission has decided."""
+        for outcome in admission_policy.take_outcomes(self.admission):
+            req = self._admitting.pop(outcome.request.request_id)
+            decision = outcome.decision
+            if isinstance(decision, Admit):
+                self._admitted(req, decision.waited_s)
+                self._route(req, now)
+            else:
+                self._reject(req, "admission", decision.reason, now)
+
+    def _schedule_admission(self, at: float) -> None:
+        if self._admission_tick_at is None or at < self._admission_tick_at:
+            self._admission_tick_at = at
+            self._push(at, _ADMISSION, None, late=1)
+
+    def _admission_tick(self, now: float) -> None:
+        self._admission_tick_at = None
+        admission_policy.drain(self.admission, self.admission_limits, now, self._predict)
+        self._admission_outcomes(now)
+        due = admission_policy.next_due(self.admission)
+        if due is not None:
+            self._schedule_admission(due)
+
+    def _observe_fleet(self, now: float) -> None:
+        """The workers' heartbeats, as admission sees them (the router's view of them)."""
+        admission_policy.observe_fleet(
+            self.admission, admission_policy.fleet_load(self.router_state.workers.values(), now)
+        )
+        if self.admission.deferred:
+            self._schedule_admission(now)
+
+    def _ended(self, req: _RequestRun, now: float, *, admitted: bool, slo_met: bool = False) -> None:
+        """A request ended: its concurrency lease goes back; one admitted frees the fleet."""
+        task = req.task_run.task
+        admission_policy.release(self.admission, task.tenant, req.rid)
+        if slo_met:
+            self.slo_by_priority[task.priority][0] += 1
+            self.by_tenant[task.tenant].slo_met += 1
+        if admitted:
+            admission_policy.note_finished(self.admission)
+            if self.admission.deferred:
+                self._schedule_admission(now)
+
         """The prompt tokens an infinite cache shared by the whole fleet would hold: the leading
         blocks of this prompt that some earlier request's prompt had."""
         if not self.options.prefix_upper_bound or not self.workload.prefix_sharing:
@@ -628,6 +808,7 @@ class Simulator:
         self.slo_tpot_met += tpot_ok
         self.slo_met += ttft_ok and tpot_ok
         task_run = req.task_run
+        self._ended(req, now, admitted=True, slo_met=ttft_ok and tpot_ok)
         task_run.max_completed_step = max(task_run.max_completed_step, req.index)
         if req.deadline_at is not None and now > req.deadline_at:
             task_run.deadline_misses += 1
@@ -692,6 +873,7 @@ class Simulator:
             self._log(req, key, now)
         req.done = True
         self._step_failed(req, now)
+        self._ended(req, now, admitted=stage != "admission")
 
     def _fail(self, req: _RequestRun, stage: str, reason: str, now: float) -> None:
         key = f"{stage}:{reason}"
@@ -703,6 +885,7 @@ class Simulator:
                 self._log(req, key, now)
         req.done = True
         self._step_failed(req, now)
+        self._ended(req, now, admitted=True)
 
     def _deadline(self, req: _RequestRun, now: float) -> None:
         if req.done:
@@ -755,6 +938,7 @@ class Simulator:
                 continue
             self._observe(worker, now)
         if self._work_left():
+        self._observe_fleet(now)
             self._push(now + self.fleet.heartbeat_s, _HEARTBEAT, None)
 
     def _autoscale(self, now: float) -> None:
@@ -924,7 +1108,37 @@ class Simulator:
             wall_s=wall_s,
             events=self.events,
         )
+            admission=self.admission_variant.name,
+            deferred_requests=self.deferred,
+            deferral_s=latency_stats(self.deferral),
+            slo_by_priority={
+                p: ratio(met, issued) for p, (met, issued) in sorted(self.slo_by_priority.items())
+            },
+            tenants=self._tenant_figures(),
 
+
+    def _tenant_figures(self) -> dict[str, dict[str, Any]]:
+        tenants = self.workload.tenants
+        class_tokens: dict[str, int] = {}
+        class_weight: dict[str, float] = {}
+        for name, figures in self.by_tenant.items():
+            tenant = tenants[name]
+            class_tokens[tenant.priority] = class_tokens.get(tenant.priority, 0) + figures.admitted_tokens
+            class_weight[tenant.priority] = class_weight.get(tenant.priority, 0.0) + tenant.quota.weight
+        out: dict[str, dict[str, Any]] = {}
+        for name, figures in sorted(self.by_tenant.items()):
+            tenant = tenants[name]
+            out[name] = {
+                "priority": tenant.priority,
+                "weight": tenant.quota.weight,
+                "requests": figures.requests,
+                "admitted": figures.admitted,
+                "admitted_tokens": figures.admitted_tokens,
+                "slo_attainment": ratio(figures.slo_met, figures.requests),
+                "token_share_in_class": ratio(figures.admitted_tokens, class_tokens[tenant.priority]),
+                "weight_share_in_class": ratio(tenant.quota.weight, class_weight[tenant.priority]),
+            }
+        return out
 
 def _mesh_config() -> MeshConfig:
     """The mesh's configuration: GPU prices, the KV transfer price and the task timeout."""
@@ -966,6 +1180,7 @@ def run_simulation(
     prices: dict[str, float] | None = None,
     request_log: RequestLog | None = None,
 ) -> SimResult:
+    admission: AdmissionVariant | str = DEFAULT_ADMISSION,
     """Replay `workload` on `fleet` under the routing policy `policy` (policies.POLICY_NAMES)."""
     return Simulator(
         workload,
@@ -977,3 +1192,4 @@ def run_simulation(
         prices=prices,
         request_log=request_log,
     ).run()
+        admission=admission,

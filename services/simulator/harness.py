@@ -1,5 +1,6 @@
-"""The comparison harness: every named routing policy on the identical workload and fleet, one
-rich table, JSON results and PNG plots. `ripplemesh simulate` is a thin command over `compare`.
+"""The comparison harness: every named routing policy (and admission variant) on the identical
+workload and fleet, rich tables, JSON results and PNG plots. `ripplemesh simulate` is a thin
+command over `compare`.
 
 Identical means identical: each run re-reads the same trace file or re-draws the same seeded
 generator from its start, and builds a fresh fleet of the same spec, so the runs differ only in
@@ -16,9 +17,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from services.simulator.admission import DEFAULT_ADMISSION, parse_admission
 from services.simulator.core import SimOptions, run_simulation
 from services.simulator.fleet import FleetSpec
-from services.simulator.metrics import SimResult
+from services.simulator.metrics import SimResult, run_label
 from services.simulator.policies import POLICY_NAMES
 from services.simulator.workload import Workload
 
@@ -35,11 +37,15 @@ def compare(
     out: Path | None = None,
     console: Console | None = None,
     plots: bool = True,
+    admissions: Sequence[str] = (DEFAULT_ADMISSION,),
 ) -> list[SimResult]:
-    """Run each policy on `workload` and `fleet`; print the comparison, write it under `out`."""
+    """Run each policy under each admission variant (simulator/admission.py) on `workload` and
+    `fleet`; print the comparison, write it under `out`."""
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICY_NAMES)}")
+    variants = [parse_admission(a) for a in admissions]  # a bad spec fails before any run
+    runs = [(p, v) for p in policies for v in variants]
     console = console or Console(stderr=True)
     total = workload.count_hint()
     results: list[SimResult] = []
@@ -52,17 +58,20 @@ def compare(
         console=console,
         transient=False,
     ) as progress:
-        bars = {name: progress.add_task(name, total=total) for name in policies}
-        for name in policies:
-            bar = bars[name]
+        bars = {(p, v.name): progress.add_task(run_label(p, v.name), total=total) for p, v in runs}
+        for name, variant in runs:
+            bar = bars[(name, variant.name)]
 
             def advance(done: int, hint: int | None, bar: Any = bar) -> None:
                 progress.update(bar, completed=done, total=hint)
 
-            result = run_simulation(workload, fleet, name, seed=seed, options=options, progress=advance)
+            result = run_simulation(
+                workload, fleet, name, seed=seed, options=options, progress=advance, admission=variant
+            )
             progress.update(bar, completed=result.tasks, total=result.tasks)
             results.append(result)
     console.print(comparison_table(results))
+    console.print(admission_table(results))
     if out is not None:
         written = write_results(results, out, plots=plots, console=console)
         console.print(f"wrote {', '.join(str(p) for p in written)}")
@@ -126,7 +135,7 @@ def comparison_table(results: Sequence[SimResult]) -> Table:
         hit = r.prefix_cache.get("hit_rate")
         bound = r.prefix_cache.get("upper_bound_hit_rate")
         table.add_row(
-            r.policy,
+            r.label,
             cost,
             f"{r.tasks_succeeded:,}/{r.tasks:,} ({r.tasks_succeeded / r.tasks:.1%})" if r.tasks else "-",
             _money(r.wasted_spend_usd, 2),
@@ -157,7 +166,7 @@ def write_results(
     combined.write_bytes(msgspec.json.format(msgspec.json.encode(list(results)), indent=2))
     written.append(combined)
     for r in results:
-        path = out / f"{r.policy}.json"
+        path = out / f"{_file_name(r.label)}.json"
         path.write_bytes(r.to_json())
         written.append(path)
     if plots:
@@ -167,6 +176,53 @@ def write_results(
             if console is not None:
                 console.print(f"[yellow]no plots: {MATPLOTLIB_HINT}[/yellow]")
     return written
+
+
+def _file_name(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "+-_." else "_" for c in label)
+
+
+def admission_table(results: Sequence[SimResult]) -> Table:
+    """What admission did: goodput, waste, SLO attainment by class, rejections, deferrals, and
+    each tenant's share of the tokens admitted in its class against its share of the weight."""
+    table = Table(title="admission", title_justify="left")
+    for column in (
+        "run",
+        "goodput/s",
+        "wasted % of spend",
+        "SLO critical / standard / sheddable",
+        "rejected at admission",
+        "deferred (wait p50/p99)",
+        "tenant token share in class (weight share)",
+    ):
+        table.add_column(
+            column,
+            justify="left" if column in ("run", "tenant token share in class (weight share)") else "right",
+        )
+    for r in results:
+        slo = " / ".join(_percent(r.slo_by_priority.get(p)) for p in ("critical", "standard", "sheddable"))
+        admission_rejects = {
+            k.split(":", 1)[1]: v for k, v in r.rejections.items() if k.startswith("admission:")
+        }
+        rejected = ", ".join(f"{k} {v:,}" for k, v in sorted(admission_rejects.items())) or "0"
+        wait = r.deferral_s
+        deferred = f"{r.deferred_requests:,}"
+        if wait is not None and wait.count:
+            deferred += f" ({_seconds(wait.p50)} / {_seconds(wait.p99)})"
+        shares = ", ".join(
+            f"{name} {_percent(t.get('token_share_in_class'))} ({_percent(t.get('weight_share_in_class'))})"
+            for name, t in r.tenants.items()
+        )
+        table.add_row(
+            r.label,
+            "-" if r.goodput_tasks_per_s is None else f"{r.goodput_tasks_per_s:,.2f}",
+            _percent(r.wasted_spend_usd / r.total_spend_usd if r.total_spend_usd else None),
+            slo,
+            rejected,
+            deferred,
+            shares,
+        )
+    return table
 
 
 def plot_results(results: Sequence[SimResult], out: Path) -> list[Path]:
@@ -186,7 +242,7 @@ def plot_results(results: Sequence[SimResult], out: Path) -> list[Path]:
         ):
             if stats.cdf:
                 xs = [max(x, 1e-4) for x, _ in stats.cdf]
-                ax.step(xs, [y for _, y in stats.cdf], where="post", label=r.policy)
+                ax.step(xs, [y for _, y in stats.cdf], where="post", label=r.label)
             ax.set_xscale("log")
             ax.set_xlabel(label)
             ax.set_ylabel("fraction of requests")
@@ -200,7 +256,7 @@ def plot_results(results: Sequence[SimResult], out: Path) -> list[Path]:
     paths.append(path)
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    names = [r.policy for r in results]
+    names = [r.label for r in results]
     useful = [(r.successful_spend_usd / r.tasks_succeeded) if r.tasks_succeeded else 0.0 for r in results]
     wasted = [(r.wasted_spend_usd / r.tasks_succeeded) if r.tasks_succeeded else 0.0 for r in results]
     idle = [(r.idle_spend_usd / r.tasks_succeeded) if r.tasks_succeeded else 0.0 for r in results]
@@ -224,7 +280,7 @@ def plot_results(results: Sequence[SimResult], out: Path) -> list[Path]:
                 [s.t for s in r.fleet_timeline],
                 [s.provisioned for s in r.fleet_timeline],
                 where="post",
-                label=f"{r.policy} (provisioned)",
+                label=f"{r.label} (provisioned)",
             )
             ax.step(
                 [s.t for s in r.fleet_timeline],
@@ -232,7 +288,7 @@ def plot_results(results: Sequence[SimResult], out: Path) -> list[Path]:
                 where="post",
                 linestyle=":",
                 alpha=0.7,
-                label=f"{r.policy} (autoscaler's desired)",
+                label=f"{r.label} (autoscaler's desired)",
             )
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("replicas")

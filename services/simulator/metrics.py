@@ -159,9 +159,28 @@ class SimResult(msgspec.Struct, kw_only=True):
     mean_replicas: float | None
     wall_s: float
     events: int
+    # Admission: the variant (simulator/admission.py), requests it deferred and for how long,
+    # SLO attainment per priority class (over the requests issued), and per tenant: priority,
+    # weight, requests, admitted requests and tokens (prompt + max output), SLO attainment, and
+    # its share of the tokens admitted in its class against its share of the class's weight.
+    admission: str = "ripplemesh"
+    deferred_requests: int = 0
+    deferral_s: LatencyStats | None = None
+    slo_by_priority: dict[str, float | None] = msgspec.field(default_factory=dict)
+    tenants: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The run's name in tables and file names: the router policy, and the admission
+        variant unless it is ripplemesh's own."""
+        return run_label(self.policy, self.admission)
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+
+def run_label(policy: str, admission: str) -> str:
+    return policy if admission == "ripplemesh" else f"{policy}+{admission}"
 
 
 def ratio(numerator: float, denominator: float) -> float | None:

@@ -414,6 +414,37 @@ DEFAULT_TENANTS: tuple[AgenticTenant, ...] = (
     ),
 )
 
+# Two tenants share the standard class with weights 2:1 (admission's fair queuing divides the
+# class's tokens between them by weight); otherwise as the default.
+SHARED_TENANTS: tuple[AgenticTenant, ...] = (
+    AgenticTenant(
+        "assistant",
+        "critical",
+        0.3,
+        system_prompt_tokens=1500,
+        step_deadline_s=30.0,
+        quota=TenantQuota(weight=3.0),
+    ),
+    AgenticTenant(
+        "agents-a",
+        "standard",
+        0.25,
+        system_prompt_tokens=3000,
+        step_deadline_s=60.0,
+        quota=TenantQuota(weight=2.0),
+    ),
+    AgenticTenant(
+        "agents-b",
+        "standard",
+        0.25,
+        system_prompt_tokens=3000,
+        step_deadline_s=60.0,
+        quota=TenantQuota(weight=1.0),
+    ),
+    DEFAULT_TENANTS[2],
+)
+TENANT_SETS: dict[str, tuple[AgenticTenant, ...]] = {"default": DEFAULT_TENANTS, "shared": SHARED_TENANTS}
+
 
 class _Chain:
     """A prompt's chained block hashes, extended as segments of tokens are appended.
@@ -628,6 +659,7 @@ class AgenticWorkload(Workload):
                     "share": t.share,
                     "system_prompt_tokens": t.system_prompt_tokens,
                     "step_deadline_s": t.step_deadline_s,
+                    "weight": t.quota.weight,
                 }
                 for t in self.tenants_spec
             ],
@@ -719,7 +751,7 @@ def load_workload(
 ) -> Workload:
     """A workload from a command-line spec: a Mooncake `.jsonl` file, an Azure `.csv` file, or
     `agentic[:key=value,...]` (keys: the fields of `AgenticWorkload`, e.g.
-    `agentic:workflows=5000,rate_per_s=20,seed=1`)."""
+    `agentic:workflows=5000,rate_per_s=20,seed=1`; `tenants=shared` picks `SHARED_TENANTS`)."""
     common: dict[str, Any] = {"rate_scale": rate_scale, "window": window, "limit": limit}
     if model is not None:
         common["model"] = model
@@ -740,11 +772,17 @@ def load_workload(
             "seed": int,
             "block_size": int,
             "model": str,
+            "tenants": str,
         }
         unknown = sorted(set(options) - set(kinds))
         if unknown:
             raise ValueError(f"unknown agentic option(s) {', '.join(unknown)}; known: {', '.join(kinds)}")
         values = {k: _convert(v, kinds[k]) for k, v in options.items()}
+        if "tenants" in values:
+            name = values.pop("tenants")
+            if name not in TENANT_SETS:
+                raise ValueError(f"unknown tenant set {name!r}; known: {', '.join(TENANT_SETS)}")
+            values["tenants_spec"] = TENANT_SETS[name]
         if block_size is not None:
             values.setdefault("block_size", block_size)
         return AgenticWorkload(**{**common, **values})
