@@ -29,12 +29,13 @@ from hypothesis import strategies as st
 from ripplemesh.client import MeshClient
 from ripplemesh.launcher import Mesh
 from schemas.events import (
+    ClientEvent,
     DeadLetter,
+    DecodeWork,
     LifecycleEvent,
+    PrefillWork,
     RequestAdmitted,
     RequestPrepared,
-    SubmitRequest,
-    WorkItem,
 )
 from schemas.subjects import DLQ, dlq_subject
 from services.mesh.embedded_nats import free_port
@@ -55,11 +56,11 @@ class Target:
 # One subject per durable consumer of the mesh (see schemas/subjects.py's ConsumerSpecs and the
 # `runtime.consume(...)` call of each service).
 TARGETS = [
-    Target("rmesh.req.acme", "REQUESTS", SubmitRequest),
+    Target("rmesh.req.acme", "REQUESTS", ClientEvent),
     Target("rmesh.prepared.acme", "REQUESTS", RequestPrepared),
     Target("rmesh.admitted.standard", "ADMITTED", RequestAdmitted),
-    Target("rmesh.work.prefill.prefill-0", "WORK", WorkItem),
-    Target("rmesh.work.decode.decode-0", "WORK", WorkItem),
+    Target("rmesh.work.prefill.prefill-0", "WORK", PrefillWork),
+    Target("rmesh.work.decode.decode-0", "WORK", DecodeWork),
     Target("rmesh.events.fuzz", "LIFECYCLE", LifecycleEvent),
 ]
 
@@ -162,7 +163,7 @@ async def _dead_letters(js: Any, stream: str, since_seq: int) -> list[DeadLetter
 
 
 async def _publish_and_check(mesh: Mesh, batch: list[tuple[Target, bytes]]) -> None:
-    nc = await nats.connect(mesh.url)
+    nc = await nats.connect(mesh.url, **mesh.connect_options())
     try:
         js = nc.jetstream()
         dlq_start = (await js.stream_info(DLQ.name)).state.last_seq
@@ -214,7 +215,7 @@ def test_every_event_type_on_every_subject(fuzz_mesh: Mesh) -> None:
 
 
 async def test_the_mesh_still_serves_after_the_fuzzing(fuzz_mesh: Mesh) -> None:
-    async with MeshClient(fuzz_mesh.url, "acme") as client:
+    async with MeshClient(fuzz_mesh.url, "acme", credentials=fuzz_mesh.credentials("acme")) as client:
         done = await asyncio.wait_for(client.complete(prompt="still here", max_tokens=5), timeout=30)
     assert done.usage.completion_tokens == 5
 

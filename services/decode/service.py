@@ -37,12 +37,15 @@ class DecodeService:
         )
         await self.host.start()
         await runtime.consume(
-            worker_consumer("decode", worker_id), DecodeWork, self._on_decode, max_inflight=256
+            worker_consumer("decode", worker_id),
+            DecodeWork,
+            self.host.lifecycle.guarded(self._on_decode),
+            max_inflight=256,
         )
         await runtime.consume(
             worker_consumer("prefill", worker_id),
             PrefillWork,
-            self._on_aggregated,
+            self.host.lifecycle.guarded(self._on_aggregated),
             max_inflight=256,
         )
 
@@ -54,7 +57,7 @@ class DecodeService:
         return []
 
     def health(self) -> dict[str, Any]:
-        return {"worker_id": self.host.worker_id} if self.host else {}
+        return self.host.health() if self.host else {}
 
     async def _on_decode(self, work: DecodeWork, delivery: Delivery) -> None:
         host = self.host

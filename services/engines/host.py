@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.msg import Msg
@@ -46,7 +46,9 @@ from schemas.subjects import (
     tokens_subject,
 )
 from services.engines.base import Engine, EngineError, PrefillResult
+from services.engines.lifecycle import WorkerLifecycle
 from services.mesh import kv_dump
+from services.mesh.resumption import first_seq, output_before, prompt_proper
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import REQUEST_ID, tracer
 
@@ -82,6 +84,8 @@ class EngineHost:
         # Batches of prefix-cache changes published so far on rmesh.kv.<worker>.
         self.kv_seq = 0
         self._kv_dump_sub: Subscription | None = None
+        # Requests in flight; cancellation, revocation and drain (rmesh.control.<worker>).
+        self.lifecycle = WorkerLifecycle(self)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -89,6 +93,9 @@ class EngineHost:
         self._kv_dump_sub = await self.runtime.bus.nc.subscribe(
             kv_dump_subject(self.worker_id), cb=self._on_kv_dump_request
         )
+        await self.lifecycle.start()
+        # On SIGTERM, say draining before the consumers stop, so no new work lands here.
+        self.runtime.on_stopping(self.lifecycle.mark_draining)
         await self.heartbeat()
         self.runtime.spawn(self.runtime.every(HEARTBEAT_S, self.heartbeat, "heartbeat"), "heartbeat")
         self.runtime.spawn(
@@ -105,6 +112,18 @@ class EngineHost:
             kv = await self.runtime.bus.key_value(WORKERS)
             await kv.delete(self.worker_id)
         await self.engine.stop()
+        await self.lifecycle.close()
+
+    def health(self) -> dict[str, Any]:
+        """What /healthz shows of a worker: its engine's load, now (not as of the heartbeat)."""
+        snap = self.engine.snapshot()
+        return {
+            "worker_id": self.worker_id,
+            "running": snap.running,
+            "queue_depth": snap.queue_depth,
+            "kv_blocks_used": snap.kv_blocks_used,
+            **self.lifecycle.health(),
+        }
 
     def state(self) -> WorkerState:
         info, snap = self.engine.info, self.engine.snapshot()
@@ -267,13 +286,14 @@ class EngineHost:
                         "ripple.predicted.ttft_s": prediction.ttft_s,
                     }
                 )
+        seq = first_seq(request)  # 0, or where a migrated request's stream resumes
         await self.runtime.bus.publish_fast(
             tokens_subject(request.tenant, request.request_id),
             TokenChunk(
-                event_id=f"{request.request_id}-0",
+                event_id=f"{request.request_id}-{seq}",
                 occurred_at=now,
                 request_id=request.request_id,
-                seq=0,
+                seq=seq,
                 token_ids=[result.first_token_id],
                 text=self.engine.detokenize([result.first_token_id]),
             ),
@@ -301,6 +321,7 @@ class EngineHost:
                 ttft_s=max(0.0, now - request.submitted_at),
             ),
         )
+        self.lifecycle.prefill_reported(request.request_id)
         return result
 
     async def decode(
@@ -311,9 +332,10 @@ class EngineHost:
         kv_transfer_bytes: int,
         source_event_id: str,
     ) -> None:
-        """Stream tokens from seq 1 until the request finishes, then report usage and GPU time."""
+        """Stream tokens from seq 1 (after a migration: the resume point's next) until the request
+        finishes, then report usage (the whole request's, across migrations) and GPU time."""
         subject = tokens_subject(request.tenant, request.request_id)
-        seq = 1
+        seq = first_seq(request) + 1
         generated = 1
         finish_reason: Literal["stop", "length"] = "length"
         with tracer().start_as_current_span(
@@ -342,6 +364,7 @@ class EngineHost:
                     )
                     seq += 1
                     generated += len(step.token_ids)
+                    self.lifecycle.tokens_generated(request.request_id, generated)
                     TOKENS_OUT.labels(self.worker_id).inc(len(step.token_ids))
                 if step.finish_reason is not None:
                     finish_reason = "stop" if step.finish_reason == "stop" else "length"
@@ -349,8 +372,8 @@ class EngineHost:
             span.set_attribute("gen_ai.usage.output_tokens", generated)
             span.set_attribute("ripple.gpu_seconds", decode_gpu_s)
         usage = Usage(
-            prompt_tokens=len(request.prompt_tokens),
-            completion_tokens=generated,
+            prompt_tokens=len(prompt_proper(request)),
+            completion_tokens=output_before(request) + generated,
             cached_tokens=cached_tokens,
         )
         now = time.time()
@@ -390,7 +413,10 @@ class EngineHost:
     async def fail(
         self, request: InferenceRequest, seq: int, error: EngineError, source_event_id: str
     ) -> None:
-        """An engine error for one request: tell its client and the ledger; others go on."""
+        """An engine error for one request: tell its client and the ledger; others go on.
+
+        `seq` counts from this placement's first chunk (0: the prefill's, 1: the decode's)."""
+        seq += first_seq(request)
         now = time.time()
         log.warning(
             "request failed in engine",

@@ -60,6 +60,9 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A workflow with no lifecycle event for this long, and its final step not completed, is
     # abandoned: a failed task for the ledger.
     task_timeout_s: PositiveFloat = 600.0
+    # A request whose worker dies or is drained mid-stream is placed again (migrated), its
+    # stream resuming where it stopped, at most this many times; past it the stream fails.
+    max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3
 
     def tenant_for_api_key(self, api_key: str) -> str | None:
         digest = hashlib.sha256(api_key.encode()).hexdigest()

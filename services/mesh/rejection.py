@@ -31,9 +31,11 @@ async def publish_rejection(
     retry_after_s: float | None = None,
     workflow: WorkflowRef | None = None,
     deadline_at: float | None = None,
+    seq: int = 0,
 ) -> None:
     """`workflow` and `deadline_at` (the request's, when known) let the ledger fail the
-    rejected request's workflow."""
+    rejected request's workflow. `seq` is where the client's stream stands: 0, except for a
+    request placed again mid-stream (a migration)."""
     now = time.time()
     await bus.publish(
         tokens_subject(tenant, request_id),
@@ -41,7 +43,7 @@ async def publish_rejection(
             event_id=derived_event_id(source_event_id, "failed"),
             occurred_at=now,
             request_id=request_id,
-            seq=0,
+            seq=seq,
             code=reason,
             message=message,
             http_status=http_status,

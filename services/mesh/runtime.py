@@ -115,6 +115,26 @@ class Runtime:
         self.consumers: list[Consumer[Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started_at = time.time()
+        # Set by run_service: ends the service as a SIGTERM would (a drained worker exits).
+        self._stop_requested: Callable[[], None] | None = None
+        self._stopping_hooks: list[Callable[[], Awaitable[None]]] = []
+
+    def request_stop(self) -> None:
+        """Shut the service down gracefully, as SIGTERM does."""
+        if self._stop_requested is not None:
+            self._stop_requested()
+
+    def on_stopping(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook` first thing on shutdown, before the consumers stop (a worker says it is
+        draining, so that no new work is placed on it meanwhile)."""
+        self._stopping_hooks.append(hook)
+
+    async def run_stopping_hooks(self, timeout_s: float = 5.0) -> None:
+        for hook in self._stopping_hooks:
+            try:
+                await asyncio.wait_for(hook(), timeout=timeout_s)
+            except Exception as exc:
+                log.warning("stopping hook failed", extra={"error": repr(exc)})
 
     async def consume(
         self, spec: ConsumerSpec, event_type: Any, handler: Handler[Any], *, max_inflight: int = 64
@@ -205,6 +225,7 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
     bus = await Bus.connect(options.nats_url, service.name)
     await bus.provision()
     runtime = Runtime(service.name, options, bus)
+    runtime._stop_requested = stop.set
     runtime_ref["runtime"] = runtime
     await service.start(runtime)
     runtime_ref["ready"] = True
@@ -216,6 +237,7 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
         log.info("shutting down")
         runtime_ref["ready"] = False
         UP.labels(service.name).set(0)
+        await runtime.run_stopping_hooks()
         await runtime.stop_consumers()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(service.stop(), timeout=15.0)

@@ -36,7 +36,10 @@ class PrefillService:
         )
         await self.host.start()
         await runtime.consume(
-            worker_consumer("prefill", worker_id), PrefillWork, self._on_work, max_inflight=256
+            worker_consumer("prefill", worker_id),
+            PrefillWork,
+            self.host.lifecycle.guarded(self._on_work),
+            max_inflight=256,
         )
 
     async def stop(self) -> None:
@@ -47,7 +50,7 @@ class PrefillService:
         return []
 
     def health(self) -> dict[str, Any]:
-        return {"worker_id": self.host.worker_id} if self.host else {}
+        return self.host.health() if self.host else {}
 
     async def _on_work(self, work: PrefillWork, delivery: Delivery) -> None:
         host = self.host

@@ -27,6 +27,7 @@ from schemas.events import (
 from schemas.subjects import ROUTER_CONSUMER, WORKERS, event_subject, work_subject
 from services.mesh.consumer import Delivery
 from services.mesh.rejection import publish_rejection
+from services.mesh.resumption import first_seq
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
 from services.mesh.workflow_spend_view import WorkflowSpendView
@@ -34,6 +35,7 @@ from services.router import reporting
 from services.router.feedback import Feedback, count_peer_placement
 from services.router.kv_index import KvIndex, predicted_cached_tokens
 from services.router.kv_sync import KvSync
+from services.router.migration import Migrator
 from services.router.policy import (
     NoPlacement,
     NoPrefix,
@@ -111,6 +113,8 @@ class RouterService:
         self.kv_index: KvIndex | None = None
         self.kv_sync: KvSync | None = None
         self._shapes: dict[str, str] = {}
+        # Liveness, and taking over the work of lost or drained workers (migration.py).
+        self.migrator: Migrator | None = None
         # This replica, among the routers sharing the admitted stream (feedback.py).
         self.replica_id = f"router-{uuid.uuid4().hex[:12]}"
         self.predictions = reporting.Predictions()
@@ -125,6 +129,8 @@ class RouterService:
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
         runtime.spawn(self.kv_sync.run(), "kv-sync")
         runtime.spawn(self._watch_workers(), "watch-workers")
+        self.migrator = Migrator(runtime, max_migrations=runtime.config.max_migrations)
+        await self.migrator.start()
         self.workflow_spend = WorkflowSpendView(runtime.bus)
         runtime.spawn(self.workflow_spend.run(), "workflow-spend")
         self.feedback = Feedback(
@@ -146,6 +152,8 @@ class RouterService:
         health: dict[str, Any] = {"workers": len(live_workers_any(self.state))}
         if self.kv_sync is not None:
             health["kv_index"] = self.kv_sync.health()
+        if self.migrator is not None:
+            health["migration"] = self.migrator.health()
         return health
 
     async def _watch_workers(self) -> None:
@@ -306,6 +314,7 @@ class RouterService:
             message=decision.message,
             http_status=500 if decision.reason == "invalid" else 503,
             retry_after_s=None if decision.reason == "infeasible" else 5.0,
+            seq=first_seq(event.request),  # a migrated request's stream is past seq 0
         )
 
 

@@ -94,6 +94,8 @@ class _Sequence:
     request: InferenceRequest
     seed: int
     prompt_len: int
+    # A resumed request's output so far (the tail of its prompt): its tokens continue from there.
+    output_offset: int = 0
     state: State = "waiting"
     computed: int = 0  # tokens whose KV is computed
     generated: int = 0  # output tokens sampled so far (the first one included)
@@ -241,16 +243,22 @@ class SimEngine:
             raise EngineError(f"request {request.request_id} is already on this engine")
 
     def _new_sequence(self, request: InferenceRequest) -> _Sequence:
-        # Greedy output depends on the prompt only; sampled output on the request too.
+        # Greedy output depends on the prompt only; sampled output on the request too. A resumed
+        # request (migrated mid-stream) has its output so far at the end of its prompt: it is
+        # seeded by the prompt proper and continues at that position, so the client gets the
+        # tokens an uninterrupted run would have given.
+        offset = request.resumption.output_tokens if request.resumption is not None else 0
+        prompt = request.prompt_tokens[: len(request.prompt_tokens) - offset]
         digest = hashlib.blake2b(digest_size=8)
         digest.update(request.model.encode())
-        digest.update(array("q", request.prompt_tokens).tobytes())
+        digest.update(array("q", prompt).tobytes())
         if request.temperature > 0:
             digest.update(request.request_id.encode())
         seq = _Sequence(
             request=request,
             seed=int.from_bytes(digest.digest(), "little"),
             prompt_len=len(request.prompt_tokens),
+            output_offset=offset,
         )
         self._resident[request.request_id] = seq
         return seq
@@ -505,7 +513,7 @@ class SimEngine:
                 self.blocks.mark_computed(seq.request.request_id, computed)
             if computed < seq.prompt_len + seq.generated:
                 continue  # a prefill chunk short of the prompt's end
-            token = self._token(seq.seed, seq.generated)
+            token = self._token(seq.seed, seq.output_offset + seq.generated)
             seq.generated += 1
             emitted += 1
             if not seq.decoding:
