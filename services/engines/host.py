@@ -350,7 +350,11 @@ class EngineHost:
             },
         ) as span:
             async for step in self.engine.decode(request.request_id, first_token_id):
-                if step.token_ids:
+                # One chunk per token, so a chunk's seq is its token's position in the output:
+                # any two placements of the request (a migration, a worker thought lost that was
+                # not) number the same token the same, and a reader's de-duplication by seq
+                # never mixes them up.
+                for token in step.token_ids:
                     await self.runtime.bus.publish_fast(
                         subject,
                         TokenChunk(
@@ -358,11 +362,12 @@ class EngineHost:
                             occurred_at=time.time(),
                             request_id=request.request_id,
                             seq=seq,
-                            token_ids=step.token_ids,
-                            text=self.engine.detokenize(step.token_ids),
+                            token_ids=[token],
+                            text=self.engine.detokenize([token]),
                         ),
                     )
                     seq += 1
+                if step.token_ids:
                     generated += len(step.token_ids)
                     self.lifecycle.tokens_generated(request.request_id, generated)
                     TOKENS_OUT.labels(self.worker_id).inc(len(step.token_ids))
