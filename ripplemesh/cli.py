@@ -371,6 +371,14 @@ SIM_POLICIES = (
     help="A routing policy to run; repeat it to compare several (default: all).",
 )
 @click.option(
+    "--admission",
+    "admissions",
+    multiple=True,
+    help="An admission variant: ripplemesh (default), rate_limit (the tenants' token buckets only; "
+    "rate_limit:tokens_per_s=N splits N tokens/s between tenants by weight) or none; options as "
+    "NAME:key=value,... Repeat it to compare several: every --policy runs under every --admission.",
+)
+@click.option(
     "--out", type=click.Path(path_type=Path), default=None, help="Directory for JSON results and PNG plots."
 )
 @click.option(
@@ -403,6 +411,7 @@ def simulate(
     workload: str,
     fleet_spec: str,
     policies: tuple[str, ...],
+    admissions: tuple[str, ...],
     out: Path | None,
     rate_scale: float,
     window: str | None,
@@ -441,6 +450,7 @@ def simulate(
             upper_bound=not no_upper_bound,
             plots=not no_plots,
             console=Console(),
+            admissions=admissions,
         )
     except (ValueError, msgspec.ValidationError) as exc:
         raise click.UsageError(str(exc)) from exc
@@ -476,14 +486,6 @@ def bench_simulator(
 
 @main.group()
 def ledger() -> None:
-@click.option(
-    "--admission",
-    "admissions",
-    multiple=True,
-    help="An admission variant: ripplemesh (default), rate_limit (the tenants' token buckets only; "
-    "rate_limit:tokens_per_s=N splits N tokens/s between tenants by weight) or none; options as "
-    "NAME:key=value,... Repeat it to compare several: every --policy runs under every --admission.",
-)
     """The cost ledger: cost per successful task, wasted and idle spend."""
 
 
@@ -517,7 +519,6 @@ def ledger() -> None:
 @click.option("--limit", default=50, show_default=True, help="Rows of --by workflow.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def ledger_report(
-    admissions: tuple[str, ...],
     by: str | None,
     since: str | None,
     database_url: str | None,
@@ -556,7 +557,6 @@ def schemas() -> None:
 @schemas.command("generate")
 @click.option("--check", is_flag=True, help="Only check that the generated files are current.")
 def schemas_generate(check: bool) -> None:
-            admissions=admissions,
     """Write JSON Schema and AsyncAPI documents from the msgspec Structs."""
     from schemas.generate import main as generate_main
 

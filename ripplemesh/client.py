@@ -7,6 +7,8 @@ async with MeshClient("nats://127.0.0.1:4222", tenant="demo") as client:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +18,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from schemas.events import (
+    CancelRequest,
     ChatMessage,
     PriorityClass,
     StreamFailed,
@@ -114,7 +117,10 @@ class MeshClient:
         request_id: str | None = None,
         model: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """Submit one request and yield every token event, in order, ending with the final one."""
+        """Submit one request and yield every token event, in order, ending with the final one.
+
+        Closing the iterator early (or cancelling its task) cancels the request: the mesh stops
+        generating for it."""
         request_id = request_id or uuid.uuid4().hex
         submission = SubmitRequest(
             event_id=new_event_id(),
@@ -141,8 +147,22 @@ class MeshClient:
             await self.nc.jetstream(timeout=5).publish(
                 request_subject(self.tenant), encode_event(submission), headers=headers
             )
-            async for event in stream.events():
-                yield event
+            ended = False
+            try:
+                async for event in stream.events():
+                    ended = not isinstance(event, TokenChunk)
+                    yield event
+            finally:
+                if not ended:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.cancel(request_id), timeout=5.0)
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel one of this tenant's requests: the mesh stops its work and frees its GPU."""
+        cancel = CancelRequest(event_id=new_event_id(), occurred_at=time.time(), request_id=request_id)
+        await self.nc.jetstream(timeout=5).publish(
+            request_subject(self.tenant), encode_event(cancel), headers={"Nats-Msg-Id": cancel.event_id}
+        )
 
     async def stream(self, **request: object) -> AsyncIterator[TokenChunk]:
         """Yield token chunks; raise `MeshError` if the mesh rejects or fails the request."""

@@ -24,6 +24,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from schemas.events import (
+    CancelRequest,
+    ClientEvent,
+    InferenceRequest,
     PriorityClass,
     RequestPrepared,
     StreamFailed,
@@ -37,10 +40,12 @@ from schemas.events import (
 )
 from schemas.subjects import (
     INGRESS_CONSUMER,
+    event_subject,
     prepared_subject,
     tenant_of,
     tokens_subject,
 )
+from services.ingress.cancel import ClientGone, cancelled, until_disconnect
 from services.ingress.openai_api import (
     ChatCompletionBody,
     CompletionBody,
@@ -160,7 +165,7 @@ class IngressService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        await runtime.consume(INGRESS_CONSUMER, SubmitRequest, self._on_submission, max_inflight=256)
+        await runtime.consume(INGRESS_CONSUMER, ClientEvent, self._on_client_event, max_inflight=256)
 
     async def stop(self) -> None:
         return None
@@ -274,9 +279,14 @@ class IngressService:
                 RequestPrepared(event_id=new_event_id(), occurred_at=time.time(), request=prepared),
             )
             # Wait for the first event before answering, so a rejection gets its HTTP status.
-            first = await anext(events)
+            first = await until_disconnect(request, anext(events))
+        except ClientGone:
+            await tokens.close()
+            self._cancel(prepared)
+            return Response(status_code=499)
         except StreamTimeout as exc:
             await tokens.close()
+            self._cancel(prepared)
             return _error(504, f"no response from the mesh: {exc}", code="timeout")
         except Exception as exc:
             await tokens.close()
@@ -291,11 +301,26 @@ class IngressService:
         shape = ResponseShape(api, request_id, prepared.model)
         if stream:
             return StreamingResponse(
-                self._sse(shape, first, events, tokens, include_usage),
+                self._sse(shape, first, events, tokens, include_usage, prepared),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Ripple-Request-Id": request_id},
             )
-        return await self._collect(shape, first, events, tokens)
+        try:
+            return await until_disconnect(request, self._collect(shape, first, events, tokens, prepared))
+        except ClientGone:
+            return Response(status_code=499)
+
+    def _cancel(self, prepared: InferenceRequest) -> None:
+        """The client is gone (or its stream stalled): have the workers stop the request. In
+        the background, as the caller may be a stream being cancelled itself."""
+        event = cancelled(
+            prepared.request_id,
+            prepared.tenant,
+            "client_disconnected",
+            workflow=prepared.workflow,
+            deadline_at=prepared.deadline_at,
+        )
+        self._rt.spawn(self._rt.bus.publish(event_subject("cancelled"), event), "cancel")
 
     def _parse(
         self,
@@ -357,7 +382,9 @@ class IngressService:
         events: AsyncIterator[TokenEvent],
         tokens: TokenStream,
         include_usage: bool,
+        prepared: InferenceRequest,
     ) -> AsyncIterator[bytes]:
+        ended = False  # a final event came: nothing left to cancel
         try:
             event: TokenEvent | None = first
             is_first = True
@@ -366,11 +393,13 @@ class IngressService:
                     yield _sse(shape.chunk(event.text, None, first=is_first))
                     is_first = False
                 elif isinstance(event, StreamFinished):
+                    ended = True
                     yield _sse(shape.chunk("", event.finish_reason, first=is_first))
                     if include_usage:
                         yield _sse(shape.usage_chunk(event.usage))
                     break
                 else:
+                    ended = True
                     yield _sse(error_body(event.message, type_="server_error", code=event.code))
                     break
                 event = await anext(events, None)
@@ -379,6 +408,8 @@ class IngressService:
             yield _sse(error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout"))
             yield _sse("[DONE]")
         finally:
+            if not ended:  # the client went away (or the stream stalled): stop the work
+                self._cancel(prepared)
             await tokens.close()
 
     async def _collect(
@@ -387,16 +418,20 @@ class IngressService:
         first: TokenEvent,
         events: AsyncIterator[TokenEvent],
         tokens: TokenStream,
+        prepared: InferenceRequest,
     ) -> Response:
         parts: list[str] = []
+        ended = False  # a final event came: nothing left to cancel
         try:
             event: TokenEvent | None = first
             while event is not None:
                 if isinstance(event, TokenChunk):
                     parts.append(event.text)
                 elif isinstance(event, StreamFinished):
+                    ended = True
                     return JSONResponse(shape.complete("".join(parts), event.finish_reason, event.usage))
                 else:
+                    ended = True
                     return _error(
                         event.http_status,
                         event.message,
@@ -408,9 +443,31 @@ class IngressService:
         except StreamTimeout as exc:
             return _error(504, f"the stream stalled: {exc}", code="timeout")
         finally:
+            if not ended:  # the client went away (or the stream stalled): stop the work
+                self._cancel(prepared)
             await tokens.close()
 
     # ------------------------------------------------------------ NATS submissions
+
+    async def _on_client_event(self, event: ClientEvent, delivery: Delivery) -> None:
+        if isinstance(event, SubmitRequest):
+            await self._on_submission(event, delivery)
+        elif isinstance(event, CancelRequest):
+            await self._on_cancel(event, delivery)
+        else:
+            log.info("client event not handled here", extra={"type": type(event).__name__})
+
+    async def _on_cancel(self, cancel: CancelRequest, delivery: Delivery) -> None:
+        """A NATS client cancels one of its requests: the tenant is the subject's, and workers
+        stop the request only if it is that tenant's."""
+        tenant = tenant_of(delivery.subject)
+        if tenant not in self._rt.config.tenants:
+            log.warning("cancellation for an unknown tenant ignored", extra={"tenant": tenant})
+            return
+        await self._rt.bus.publish(
+            event_subject("cancelled"),
+            cancelled(cancel.request_id, tenant, "client_cancelled", source_event_id=cancel.event_id),
+        )
 
     async def _on_submission(self, submission: SubmitRequest, delivery: Delivery) -> None:
         tenant = tenant_of(delivery.subject)
