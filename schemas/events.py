@@ -105,6 +105,9 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     max_tokens: PositiveInt
     temperature: NonNegativeFloat = 0.0
     priority: PriorityClass = "standard"
+    # Within the class, higher first (Gateway API Inference Extension's objective `priority`);
+    # admission checks its range (its config), so an out-of-range value gets a clear rejection.
+    priority_level: int = 0
     deadline_at: float | None = None
     workflow: WorkflowRef | None = None
     submitted_at: NonNegativeFloat
@@ -163,7 +166,10 @@ class SubmitRequest(Event, frozen=True, kw_only=True, tag="request.submit.v1"):
     max_tokens: PositiveInt = 256
     temperature: NonNegativeFloat = 0.0
     priority: PriorityClass = "standard"
-    deadline_ms: PositiveInt | None = None
+    priority_level: int = 0
+    # Not constrained here: a non-positive or absurd deadline gets a clear rejection (ingress,
+    # admission) rather than a dead letter.
+    deadline_ms: int | None = None
     workflow: WorkflowRef | None = None
 
 
@@ -266,6 +272,31 @@ class RouteDecision(Event, frozen=True, kw_only=True, tag="router.decision.v1"):
     workflow_id: Identifier | None = None
     workflow_step: PositiveInt | None = None
     workflow_steps: PositiveInt | None = None
+    workflow_spent_usd: NonNegativeFloat = 0.0
+
+
+class AdmissionDecision(Event, frozen=True, kw_only=True, tag="admission.decision.v1"):
+    """Admission admitted or deferred a request (a rejection is a RequestRejected), with the
+    reason and what it saw: the fleet's saturation and the router's predicted first token."""
+
+    request_id: Identifier
+    tenant: Identifier
+    # The admission replica that decided.
+    admission: Identifier
+    outcome: Literal["admitted", "deferred"]
+    # admitted: at once ("admitted") or after a wait ("after_deferral"); deferred: why ("saturated").
+    reason: str
+    priority: PriorityClass
+    priority_level: int = 0
+    waited_s: NonNegativeFloat = 0.0
+    # Deferred: decided (admitted or rejected) by then.
+    due_at: NonNegativeFloat | None = None
+    saturation: NonNegativeFloat | None = None
+    predicted_ttft_s: NonNegativeFloat | None = None
+    # A later step of a running workflow goes ahead of new ones; what the ledger says it spent.
+    workflow_id: Identifier | None = None
+    workflow_step: PositiveInt | None = None
+    workflow_standing: Literal["continuation", "new", "doomed"] = "new"
     workflow_spent_usd: NonNegativeFloat = 0.0
 
 
@@ -518,6 +549,7 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.message.v1"):
 
 LifecycleEvent = (
     RequestRejected
+    | AdmissionDecision
     | RequestRouted
     | RouteDecision
     | PrefillCompleted
@@ -541,6 +573,7 @@ AnyEvent = (
     | PrefillWork
     | DecodeWork
     | RequestRejected
+    | AdmissionDecision
     | RequestRouted
     | RouteDecision
     | PrefillCompleted

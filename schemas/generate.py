@@ -261,7 +261,8 @@ def channels() -> tuple[Channel, ...]:
                     "enum": kinds,
                 }
             },
-            publishers="Ingress, admission and the router publish rejections and routing "
+            publishers="Ingress, admission and the router publish rejections; admission an "
+            "AdmissionDecision for every request it admits or defers; the router routing "
             "decisions (RequestRouted, and a RouteDecision for every decision, with its "
             "predictions); prefill/decode workers completions and failures; the autoscaler its "
             "fleet view. Ingress publishes RequestCancelled (client gone or cancelled), the "

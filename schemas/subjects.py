@@ -81,6 +81,7 @@ def tenant_of(subject: str) -> str:
 # Every lifecycle event's subject kind, by event tag, so producers never spell it twice.
 EVENT_KINDS: dict[str, str] = {
     "request.rejected.v1": "rejected",
+    "admission.decision.v1": "admission",
     "request.routed.v1": "routed",
     "router.decision.v1": "route_decision",
     "request.prefill_completed.v1": "prefill_completed",
@@ -179,7 +180,14 @@ WORKFLOW_SPEND = KvBucketSpec(
     description="Each workflow's running spend (WorkflowSpend), keyed by workflow id, put by the "
     "ledger after each batch that touches it; an entry expires an hour after its last update.",
 )
-KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS, WORKFLOW_SPEND)
+ADMISSION_QUOTAS = KvBucketSpec(
+    bucket="ADMISSION_QUOTAS",
+    ttl_s=3600.0,
+    description="Each tenant's quota state (token bucket levels and concurrency leases), keyed by "
+    "tenant, shared by the admission replicas with compare-and-set; an entry expires an hour after "
+    "its tenant's last request (its buckets are full again by then).",
+)
+KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS, WORKFLOW_SPEND, ADMISSION_QUOTAS)
 
 # JetStream Object Store bucket for KV caches too large for one message (hf engine hand-off);
 # only the object's name travels on the bus, in `KvHandle.object_name`.

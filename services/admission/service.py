@@ -1,114 +1,519 @@
-"""Admission: consume prepared requests, decide (policy.py), publish the admitted ones for the
-router, and answer rejected ones on their token subject with the reason and a retry-after."""
+"""Admission: for every prepared request, admit it now, defer it (a bounded wait), or reject it
+early with a reason (policy.py decides; this is the shell).
+
+- Quotas are shared by the replicas: each tenant's `TenantUsage` (bucket levels, concurrency
+  leases) is one entry of the ADMISSION_QUOTAS KV bucket, charged with compare-and-set (read,
+  charge, update at the revision read; another replica's write in between means read again).
+  A lease goes back when the request ends: every replica hears the completions (core NATS) and
+  removes the lease the same way; a lost event is covered by the lease's lapse.
+- The fleet's view is the router's: the WORKERS heartbeats (saturation, and `earliest_ttft` for
+  deadline feasibility, with the prefix cache from the workers' KV events), refreshed every
+  `REFRESH_S`, corrected by the admissions (every replica's, heard on ``rmesh.admitted.*``) and
+  completions heard in the last heartbeat interval.
+- A deferred request holds its message (the consume loop reports progress) and waits on a
+  future that the drain loop settles when the policy admits or rejects it; the wait is bounded
+  by the request's `due`, after which it is rejected here if the policy has not decided.
+- Every outcome is a lifecycle event: AdmissionDecision (admitted, deferred) or RequestRejected,
+  whose StreamFailed on the token subject carries the HTTP status (quota 429; capacity, deadline,
+  no_workers 503; invalid 400) and the retry-after.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import math
 import time
+import uuid
+from collections import OrderedDict, deque
 from typing import Any, ClassVar
 
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 from opentelemetry import trace
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.routing import BaseRoute
 
 from schemas.events import (
+    AdmissionDecision,
+    DecodeCompleted,
+    InferenceRequest,
     RequestAdmitted,
+    RequestCancelled,
+    RequestFailed,
     RequestPrepared,
+    RequestRejected,
+    WorkerState,
+    decode_event,
     derived_event_id,
 )
-from schemas.subjects import ADMISSION_CONSUMER, admitted_subject
+from schemas.subjects import (
+    ADMISSION_CONSUMER,
+    ADMISSION_QUOTAS,
+    PREFIX,
+    WORKERS,
+    admitted_subject,
+    event_subject,
+)
 from services.admission.policy import (
+    CONTINUATION,
+    DOOMED,
     AdmissionLimits,
     AdmissionRequest,
     AdmissionState,
+    Admit,
+    Decision,
+    Defer,
+    Prediction,
     Reject,
     TenantQuota,
-    decide,
+    TenantUsage,
+    charge_quota,
+    drain,
+    expire,
+    fleet_load,
+    next_due,
+    note_admitted,
+    note_finished,
+    observe_fleet,
+    offer,
+    prediction,
+    release_quota,
+    saturation,
+    take_outcomes,
+    validate,
+    workflow_standing,
 )
+from services.mesh.config import TenantConfig
 from services.mesh.consumer import Delivery
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
+from services.mesh.workflow_spend_view import WorkflowSpendView
+from services.router.kv_index import KvIndex
+from services.router.kv_sync import KvSync
+from services.router.policy import RouterState, earliest_ttft
+from services.router.service import route_request, view_of
+
+log = logging.getLogger(__name__)
 
 DECISIONS = Counter(
     "ripplemesh_admission_decisions_total",
     "Admission decisions by outcome and reason.",
     ["tenant", "outcome", "reason"],
 )
+SATURATION = Gauge(
+    "ripplemesh_admission_saturation",
+    "The fleet's saturation as admission sees it (1.0: its target load; KV usage, queue depth, "
+    "time per output token), from the workers' heartbeats.",
+)
+DEFERRED = Gauge("ripplemesh_admission_deferred_requests", "Requests this replica holds deferred.")
+DEFERRED_BYTES = Gauge("ripplemesh_admission_deferred_bytes", "Bytes of the requests held deferred.")
+WAITED = Histogram(
+    "ripplemesh_admission_deferral_seconds",
+    "How long deferred requests waited, by outcome.",
+    ["outcome"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60),
+)
+QUOTA_CONFLICTS = Counter(
+    "ripplemesh_admission_quota_conflicts_total",
+    "Compare-and-set conflicts on the shared quota state (another replica wrote first).",
+)
 
 HTTP_STATUS = {"quota": 429, "capacity": 503, "deadline": 503, "invalid": 400, "no_workers": 503}
+STANDING = {CONTINUATION: "continuation", DOOMED: "doomed"}
+# The fleet's view is recomputed this often from the latest heartbeats; admissions and
+# completions of the last heartbeat interval are not in the heartbeats yet.
+REFRESH_S = 0.5
+HEARTBEAT_S = 1.0
+CAS_ATTEMPTS = 8
+OWN_IDS_KEPT = 20_000
+
+_usage_decoder = msgspec.json.Decoder(TenantUsage)
+_worker_decoder = msgspec.json.Decoder(WorkerState)
+_encoder = msgspec.json.Encoder()
+
+
+def tenant_quota(config: TenantConfig) -> TenantQuota:
+    return TenantQuota(
+        requests_per_s=config.requests_per_s,
+        request_burst=config.request_burst,
+        tokens_per_s=config.tokens_per_s,
+        token_burst=config.token_burst,
+        input_tokens_per_s=config.input_tokens_per_s,
+        input_token_burst=config.input_token_burst,
+        output_tokens_per_s=config.output_tokens_per_s,
+        output_token_burst=config.output_token_burst,
+        max_concurrency=config.max_concurrency,
+        weight=config.weight,
+    )
+
+
+def deferred_size(request: InferenceRequest) -> int:
+    """About what holding the request costs: its prompt's token ids and block hashes, as JSON."""
+    return 512 + 8 * len(request.prompt_tokens) + 20 * len(request.block_hashes)
 
 
 class AdmissionService:
     name: ClassVar[str] = "admission"
 
     def __init__(self) -> None:
+        self.replica_id = f"admission-{uuid.uuid4().hex[:12]}"
         self.state = AdmissionState()
+        self.limits = AdmissionLimits()
+        self.router_state = RouterState()
         self.runtime: Runtime | None = None
+        self.kv_index: KvIndex | None = None
+        self.kv_sync: KvSync | None = None
+        self.workflow_spend: WorkflowSpendView | None = None
+        self._quotas: dict[str, TenantQuota] = {}
+        self._quota_kv: KeyValue | None = None
+        # tenant -> (revision, value) of its quota entry as last read or written.
+        self._usage: dict[str, tuple[int, bytes]] = {}
+        # One charge at a time per tenant in this replica: its own handlers never race each other
+        # for the entry (compare-and-set settles the races between replicas).
+        self._tenant_locks: dict[str, asyncio.Lock] = {}
+        self._waiters: dict[str, asyncio.Future[Admit | Reject]] = {}
+        self._requests: dict[str, InferenceRequest] = {}  # deferred (and being decided)
+        self._wake = asyncio.Event()
+        self._recent_admitted: deque[float] = deque()
+        self._recent_finished: deque[float] = deque()
+        self._own: OrderedDict[str, None] = OrderedDict()  # ids of RequestAdmitted we published
+        self._subscriptions: list[Subscription] = []
+        self._shapes: dict[str, str] = {}
+
+    # ------------------------------------------------------------ lifecycle
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        await runtime.consume(ADMISSION_CONSUMER, RequestPrepared, self._on_prepared, max_inflight=256)
+        config = runtime.config
+        self.limits = config.admission.limits()
+        self._quotas = {name: tenant_quota(t) for name, t in config.tenants.items()}
+        self._shapes = {m.name: m.shape for m in config.models}
+        self._quota_kv = await runtime.bus.key_value(ADMISSION_QUOTAS)
+        self.kv_index = KvIndex(config.block_size)
+        self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
+        runtime.spawn(self.kv_sync.run(), "kv-sync")
+        runtime.spawn(self._watch_workers(), "watch-workers")
+        self.workflow_spend = WorkflowSpendView(runtime.bus)
+        runtime.spawn(self.workflow_spend.run(), "workflow-spend")
+        nc = runtime.bus.nc
+        self._subscriptions = [
+            await nc.subscribe(f"{PREFIX}.admitted.*", cb=self._on_admitted_anywhere),
+            *[
+                await nc.subscribe(event_subject(kind), cb=self._on_finished)
+                for kind in ("decode_completed", "failed", "rejected", "cancelled")
+            ],
+        ]
+        runtime.spawn(self._refresh_loop(), "admission-refresh")
+        runtime.spawn(self._drain_loop(), "admission-drain")
+        # Deferred requests hold their messages: room for a full queue and the requests in hand.
+        await runtime.consume(
+            ADMISSION_CONSUMER,
+            RequestPrepared,
+            self._on_prepared,
+            max_inflight=self.limits.max_deferred + 256,
+        )
 
     async def stop(self) -> None:
-        return None
+        for subscription in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
 
     def routes(self) -> list[BaseRoute]:
         return []
 
     def health(self) -> dict[str, Any]:
-        return {"tenants_tracked": len(self.state.usage)}
+        fleet = self.state.fleet
+        return {
+            "replica": self.replica_id,
+            "tenants_tracked": len(self._usage),
+            "deferred": len(self.state.deferred),
+            "workers": fleet.workers if fleet is not None else 0,
+            # None while no live worker is known (saturation is infinite then).
+            "saturation": self.state.saturation if math.isfinite(self.state.saturation) else None,
+        }
 
-    def _quota(self, tenant: str) -> TenantQuota | None:
+    # ------------------------------------------------------------ the fleet's view
+
+    async def _watch_workers(self) -> None:
+        """The WORKERS bucket, as the router watches it; a broken watch starts over."""
         assert self.runtime is not None
-        config = self.runtime.config.tenants.get(tenant)
-        if config is None:
-            return None
-        return TenantQuota(
-            requests_per_s=config.requests_per_s,
-            request_burst=config.request_burst,
-            tokens_per_s=config.tokens_per_s,
-            token_burst=config.token_burst,
+        while True:
+            watcher = None
+            try:
+                kv = await self.runtime.bus.key_value(WORKERS)
+                watcher = await kv.watchall()
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
+                    except TimeoutError:
+                        continue
+                    if entry is not None:
+                        self._on_worker(entry.key, entry.value, entry.operation)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("worker watch restarted", extra={"error": repr(exc)})
+                await asyncio.sleep(0.5)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _on_worker(self, key: str, value: bytes | None, operation: str | None) -> None:
+        if operation in ("DEL", "PURGE") or value is None:
+            self.router_state.forget(key)
+            if self.kv_sync is not None:
+                self.kv_sync.forget(key)
+            return
+        try:
+            worker = _worker_decoder.decode(value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("bad worker state ignored", extra={"key": key, "error": str(exc)})
+            return
+        self.router_state.observe(view_of(worker, self._shapes))
+        if self.kv_sync is not None:
+            self.kv_sync.observe(worker)
+
+    def refresh(self, now: float) -> None:
+        """The fleet as the latest heartbeats tell it, with what happened since they were sent."""
+        for recent in (self._recent_admitted, self._recent_finished):
+            while recent and recent[0] < now - HEARTBEAT_S:
+                recent.popleft()
+        observe_fleet(self.state, fleet_load(self.router_state.workers.values(), now))
+        note_admitted(self.state, len(self._recent_admitted))
+        note_finished(self.state, len(self._recent_finished))
+        value = saturation(self.state, self.limits)
+        self.state.saturation = value
+        SATURATION.set(value)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            self.refresh(time.time())
+            self._wake.set()
+            await asyncio.sleep(REFRESH_S)
+
+    async def _on_admitted_anywhere(self, msg: Msg) -> None:
+        """Every replica's admissions (ours are counted when made)."""
+        event_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+        if event_id in self._own:
+            return
+        self._recent_admitted.append(time.time())
+        note_admitted(self.state)
+
+    async def _on_finished(self, msg: Msg) -> None:
+        """A request ended: the fleet has room again, and its concurrency lease goes back."""
+        try:
+            event = decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # the ledger dead-letters it; nothing here depends on it
+        if not isinstance(event, DecodeCompleted | RequestFailed | RequestRejected | RequestCancelled):
+            return
+        if isinstance(event, RequestRejected) and event.stage != "router":
+            return  # never admitted (or rejected by admission, which gave the lease back)
+        self._recent_finished.append(time.time())
+        note_finished(self.state)
+        self._wake.set()
+        quota = self._quotas.get(event.tenant)
+        if quota is not None and quota.max_concurrency is not None:
+            try:
+                await self._release(event.tenant, event.request_id)
+            except Exception as exc:  # the lease lapses instead
+                log.warning("lease not released", extra={"request_id": event.request_id, "error": repr(exc)})
+
+    # ------------------------------------------------------------ deciding
+
+    def _admission_request(self, request: InferenceRequest) -> AdmissionRequest:
+        workflow = request.workflow
+        spend = None
+        if workflow is not None and self.workflow_spend is not None:
+            spend = self.workflow_spend.get(workflow.workflow_id)
+        return AdmissionRequest(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            priority=request.priority,
+            input_tokens=len(request.prompt_tokens),
+            output_tokens=request.max_tokens,
+            submitted_at=request.submitted_at,
+            deadline_at=request.deadline_at,
+            priority_level=request.priority_level,
+            workflow_id=workflow.workflow_id if workflow is not None else None,
+            workflow_step=workflow.step if workflow is not None else None,
+            workflow_standing=workflow_standing(workflow.step if workflow is not None else None, spend),
+            workflow_spent_usd=spend.spend_usd if spend is not None else 0.0,
+            size_bytes=deferred_size(request),
         )
+
+    def _predict(self, request: AdmissionRequest) -> Prediction | None:
+        """The router's earliest first token for the request on the live fleet, and its last."""
+        held = self._requests.get(request.request_id)
+        if held is None or self.kv_index is None:
+            return None
+        spend = request.workflow_spent_usd
+        ttft = earliest_ttft(self.router_state, route_request(held, spend), self.kv_index, time.time())
+        return prediction(ttft, request, self.state)
+
+    async def _decide(self, request: InferenceRequest, admission: AdmissionRequest, now: float) -> Decision:
+        quota = self._quotas.get(request.tenant)
+        rejected = validate(admission, quota, self.limits, now)
+        if rejected is not None or quota is None:
+            return rejected or Reject("invalid", f"unknown tenant {request.tenant!r}", None)
+        if self.limits.control == "none":
+            return Admit()
+        rejected = await self._charge(admission, quota, now)
+        if rejected is not None:
+            return rejected
+        if self.limits.control == "rate_limit":
+            return Admit()
+        self._requests[request.request_id] = request
+        decision = offer(self.state, admission, quota.weight, self.limits, time.time(), self._predict)
+        if isinstance(decision, Defer):
+            # Registered before any await, so that the drain loop's decision finds it.
+            self._waiters[request.request_id] = asyncio.get_running_loop().create_future()
+        else:
+            self._requests.pop(request.request_id, None)
+        self._settle()
+        return decision
+
+    def _settle(self) -> None:
+        """Hand the policy's decisions on deferred requests to their waiting handlers."""
+        for outcome in take_outcomes(self.state):
+            rid = outcome.request.request_id
+            self._requests.pop(rid, None)
+            waiter = self._waiters.get(rid)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(outcome.decision)
+            else:
+                log.warning("a deferred request's decision found no handler", extra={"request_id": rid})
+        DEFERRED.set(len(self.state.deferred))
+        DEFERRED_BYTES.set(self.state.deferred_bytes)
+
+    async def _wait(self, request_id: str, due: float) -> Admit | Reject:
+        """Until the policy decides the deferred request, and never past its `due`."""
+        waiter = self._waiters[request_id]
+        self._wake.set()
+        try:
+            await asyncio.wait({waiter}, timeout=max(0.0, due - time.time()) + 0.05)
+            if waiter.done():
+                return waiter.result()
+            # Its due passed without a decision (a busy loop): reject it here.
+            rejected = expire(self.state, request_id, time.time())
+            self._requests.pop(request_id, None)
+            self._settle()
+            return rejected or Reject("capacity", "deferred past its due", 1.0)
+        finally:
+            self._waiters.pop(request_id, None)
+
+    async def _drain_loop(self) -> None:
+        while True:
+            due = next_due(self.state)
+            timeout = REFRESH_S if due is None else min(REFRESH_S, max(0.0, due - time.time()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            if self.state.deferred:
+                drain(self.state, self.limits, time.time(), self._predict)
+                self._settle()
 
     async def _on_prepared(self, event: RequestPrepared, delivery: Delivery) -> None:
         assert self.runtime is not None
         request = event.request
-        now = time.time()
+        admission = self._admission_request(request)
         with tracer().start_as_current_span("admission.decide") as span:
-            decision = decide(
-                self.state,
-                request=AdmissionRequest(
-                    request_id=request.request_id,
-                    tenant=request.tenant,
-                    priority=request.priority,
-                    input_tokens=len(request.prompt_tokens),
-                    output_tokens=request.max_tokens,
-                    submitted_at=request.submitted_at,
-                    deadline_at=request.deadline_at,
-                ),
-                quota=self._quota(request.tenant),
-                limits=AdmissionLimits(control="rate_limit"),
-                now=now,
-            )
+            decision = await self._decide(request, admission, time.time())
             span.set_attribute("ripple.admission.outcome", decision.outcome)
             span.set_attribute("ripple.tenant", request.tenant)
+            span.set_attribute("ripple.admission.saturation", self.state.saturation)
+            span.set_attribute("ripple.admission.standing", STANDING.get(admission.workflow_standing, "new"))
+        if isinstance(decision, Defer):
+            DECISIONS.labels(request.tenant, "defer", decision.reason).inc()
+            held = self.state.deferred.get(request.request_id)
+            predicted = held.prediction if held is not None else None
+            await self._record(
+                event,
+                admission,
+                "deferred",
+                decision.reason,
+                due_at=decision.due,
+                predicted_ttft_s=predicted.ttft_s if predicted is not None else None,
+            )
+            decision = await self._wait(request.request_id, decision.due)
+            WAITED.labels(decision.outcome).observe(max(0.0, time.time() - event.occurred_at))
         if isinstance(decision, Reject):
             DECISIONS.labels(request.tenant, "reject", decision.reason).inc()
             trace.get_current_span().set_attribute("ripple.admission.reason", decision.reason)
-            await self._reject(event, decision, now)
+            await self._give_back(admission)
+            await self._reject(event, decision)
             return
-        DECISIONS.labels(request.tenant, "admit", "").inc()
+        DECISIONS.labels(request.tenant, "admit", decision.reason).inc()
+        await self._admit(event, admission, decision)
+
+    async def _admit(self, event: RequestPrepared, admission: AdmissionRequest, decision: Admit) -> None:
+        assert self.runtime is not None
+        request = event.request
+        now = time.time()
+        event_id = derived_event_id(event.event_id, "admitted")
+        self._own[event_id] = None  # before the publish: its echo may come back first
+        while len(self._own) > OWN_IDS_KEPT:
+            self._own.popitem(last=False)
+        self._recent_admitted.append(now)
+        if self.limits.control != "ripplemesh":
+            note_admitted(self.state)  # drain counts its own admissions
+        await asyncio.gather(
+            self.runtime.bus.publish(
+                admitted_subject(request.priority),
+                RequestAdmitted(
+                    event_id=event_id,
+                    occurred_at=now,
+                    request=request,
+                    waited_s=max(0.0, now - request.submitted_at),
+                ),
+            ),
+            self._record(event, admission, "admitted", decision.reason, waited_s=decision.waited_s),
+        )
+
+    async def _record(
+        self,
+        event: RequestPrepared,
+        admission: AdmissionRequest,
+        outcome: str,
+        reason: str,
+        *,
+        waited_s: float = 0.0,
+        due_at: float | None = None,
+        predicted_ttft_s: float | None = None,
+    ) -> None:
+        assert self.runtime is not None
+        request = event.request
         await self.runtime.bus.publish(
-            admitted_subject(request.priority),
-            RequestAdmitted(
-                event_id=derived_event_id(event.event_id, "admitted"),
-                occurred_at=now,
-                request=request,
-                waited_s=max(0.0, now - request.submitted_at),
+            event_subject("admission"),
+            AdmissionDecision(
+                event_id=derived_event_id(event.event_id, f"admission-{outcome}"),
+                occurred_at=time.time(),
+                request_id=request.request_id,
+                tenant=request.tenant,
+                admission=self.replica_id,
+                outcome=outcome,  # type: ignore[arg-type]
+                reason=reason,
+                priority=request.priority,
+                priority_level=request.priority_level,
+                waited_s=waited_s,
+                due_at=due_at,
+                saturation=self.state.saturation if math.isfinite(self.state.saturation) else None,
+                predicted_ttft_s=predicted_ttft_s,
+                workflow_id=admission.workflow_id,
+                workflow_step=admission.workflow_step,
+                workflow_standing=STANDING.get(admission.workflow_standing, "new"),  # type: ignore[arg-type]
+                workflow_spent_usd=admission.workflow_spent_usd,
             ),
         )
 
-    async def _reject(self, event: RequestPrepared, decision: Reject, now: float) -> None:
+    async def _reject(self, event: RequestPrepared, decision: Reject) -> None:
         assert self.runtime is not None
         await publish_rejection(
             self.runtime.bus,
@@ -123,3 +528,93 @@ class AdmissionService:
             http_status=HTTP_STATUS[decision.reason],
             retry_after_s=decision.retry_after_s,
         )
+
+    # ------------------------------------------------------------ shared quota state
+
+    async def _read_usage(self, tenant: str) -> tuple[int | None, bytes | None]:
+        assert self._quota_kv is not None
+        try:
+            entry = await self._quota_kv.get(tenant)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None, None
+        if entry.value is None or entry.revision is None:
+            return None, None
+        return entry.revision, entry.value
+
+    async def _write_usage(self, tenant: str, revision: int | None, value: bytes) -> bool:
+        """Compare-and-set: False when another replica wrote since `revision`."""
+        assert self._quota_kv is not None
+        try:
+            if revision is None:
+                written = await self._quota_kv.create(tenant, value)
+            else:
+                written = await self._quota_kv.update(tenant, value, last=revision)
+        except KeyWrongLastSequenceError:
+            QUOTA_CONFLICTS.inc()
+            self._usage.pop(tenant, None)
+            return False
+        self._usage[tenant] = (written, value)
+        return True
+
+    def _decoded(self, value: bytes | None) -> TenantUsage:
+        if value is None:
+            return TenantUsage()
+        try:
+            return _usage_decoder.decode(value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("bad quota state replaced", extra={"error": str(exc)})
+            return TenantUsage()
+
+    async def _charge(self, admission: AdmissionRequest, quota: TenantQuota, now: float) -> Reject | None:
+        """The tenant's shared buckets and leases, charged with compare-and-set."""
+        tenant = admission.tenant
+        async with self._lock(tenant):
+            return await self._charge_locked(admission, quota, now)
+
+    def _lock(self, tenant: str) -> asyncio.Lock:
+        lock = self._tenant_locks.get(tenant)
+        if lock is None:
+            lock = self._tenant_locks[tenant] = asyncio.Lock()
+        return lock
+
+    async def _charge_locked(
+        self, admission: AdmissionRequest, quota: TenantQuota, now: float
+    ) -> Reject | None:
+        tenant = admission.tenant
+        for _ in range(CAS_ATTEMPTS):
+            cached = self._usage.get(tenant)
+            revision, value = cached if cached is not None else await self._read_usage(tenant)
+            usage = self._decoded(value)
+            rejected = charge_quota(usage, quota, admission, self.limits, now)
+            if rejected is not None:
+                return rejected
+            if await self._write_usage(tenant, revision, _encoder.encode(usage)):
+                return None
+        return Reject("capacity", f"tenant {tenant!r}'s quota state is contended; try again", 0.5)
+
+    async def _release(self, tenant: str, request_id: str) -> None:
+        """Give a request's concurrency lease back (compare-and-set; nothing when it holds none)."""
+        async with self._lock(tenant):
+            await self._release_locked(tenant, request_id)
+
+    async def _release_locked(self, tenant: str, request_id: str) -> None:
+        for _ in range(CAS_ATTEMPTS):
+            cached = self._usage.get(tenant)
+            revision, value = cached if cached is not None else await self._read_usage(tenant)
+            usage = self._decoded(value)
+            if not release_quota(usage, request_id):
+                if cached is None:
+                    return
+                self._usage.pop(tenant, None)  # our copy may be stale: look again
+                continue
+            if await self._write_usage(tenant, revision, _encoder.encode(usage)):
+                return
+
+    async def _give_back(self, admission: AdmissionRequest) -> None:
+        quota = self._quotas.get(admission.tenant)
+        if quota is None or quota.max_concurrency is None:
+            return
+        try:
+            await self._release(admission.tenant, admission.request_id)
+        except Exception as exc:  # the lease lapses instead
+            log.warning("lease not released", extra={"request_id": admission.request_id, "error": repr(exc)})

@@ -43,6 +43,7 @@ class ClientRequest:
     max_tokens: int
     temperature: float = 0.0
     priority: PriorityClass = "standard"
+    priority_level: int = 0  # its range is admission's to check
     deadline_ms: int | None = None
     workflow: WorkflowRef | None = None
 
@@ -94,6 +95,7 @@ def prepare(request: ClientRequest, config: MeshConfig, now: float) -> Inference
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         priority=request.priority,
+        priority_level=request.priority_level,
         deadline_at=now + request.deadline_ms / 1000 if request.deadline_ms else None,
         workflow=request.workflow,
         submitted_at=now,

@@ -104,8 +104,9 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _ripple_headers(request: Request) -> tuple[PriorityClass, int | None, WorkflowRef | None]:
-    """The optional `x-ripple-*` headers; a malformed one is a 400 naming it."""
+def _ripple_headers(request: Request) -> tuple[PriorityClass, int, int | None, WorkflowRef | None]:
+    """The optional `x-ripple-*` headers; a malformed one is a 400 naming it. The priority level's
+    range is admission's to check (its config)."""
     headers = request.headers
     priority = headers.get("x-ripple-priority", "standard")
     if priority not in PRIORITIES:
@@ -133,6 +134,13 @@ def _ripple_headers(request: Request) -> tuple[PriorityClass, int | None, Workfl
             workflow = msgspec.convert(
                 {
                     "workflow_id": workflow_id,
+    raw_level = headers.get("x-ripple-priority-level", "0")
+    try:
+        priority_level = int(raw_level)
+    except ValueError:
+        raise InvalidRequest(
+            "x-ripple-priority-level must be an integer", param="x-ripple-priority-level"
+        ) from None
                     "step": integer("x-ripple-workflow-step") or 1,
                     "steps": integer("x-ripple-workflow-steps"),
                 },
@@ -143,7 +151,7 @@ def _ripple_headers(request: Request) -> tuple[PriorityClass, int | None, Workfl
                 "x-ripple-workflow-id must be 1-128 characters of [A-Za-z0-9_-]",
                 param="x-ripple-workflow-id",
             ) from None
-    return priority, deadline_ms, workflow  # type: ignore[return-value]
+    return priority, priority_level, deadline_ms, workflow  # type: ignore[return-value]
 
 
 def _field_of(exc: msgspec.ValidationError) -> str | None:
@@ -359,7 +367,7 @@ class IngressService:
             raise InvalidRequest(f"invalid request body: {exc}", param=_field_of(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-        priority, deadline_ms, workflow = _ripple_headers(request)
+        priority, priority_level, deadline_ms, workflow = _ripple_headers(request)
         client_request = ClientRequest(
             request_id=request_id,
             tenant=tenant,
@@ -383,6 +391,7 @@ class IngressService:
         tokens: TokenStream,
         include_usage: bool,
         prepared: InferenceRequest,
+            priority_level=priority_level,
     ) -> AsyncIterator[bytes]:
         ended = False  # a final event came: nothing left to cancel
         try:
@@ -516,3 +525,4 @@ class IngressService:
             message=exc.message,
             http_status=exc.status,
         )
+                    priority_level=submission.priority_level,

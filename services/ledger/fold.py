@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from schemas.events import (
+    AdmissionDecision,
     DecodeCompleted,
     FleetObserved,
     LifecycleEvent,
@@ -196,8 +197,8 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
             # Recorded in ``events`` only.
             rows.append((event.event_id, tag, None, None, event.occurred_at, *_NO_COST))
             continue
-        if isinstance(event, RouteDecision):
-            # The router's reasoning (RequestRouted and RequestRejected carry its effects): an
+        if isinstance(event, RouteDecision | AdmissionDecision):
+            # Admission's and the router's reasoning (RequestRouted and RequestRejected carry its effects): an
             # event row for the audit trail, no cost and no change to the request's row.
             rows.append((event.event_id, tag, event.request_id, event.tenant, event.occurred_at, *_NO_COST))
             continue
@@ -431,6 +432,7 @@ _TAGS: dict[type, str] = {
     cls: str(cls.__struct_config__.tag)
     for cls in (
         RequestRejected,
+        AdmissionDecision,
         RequestRouted,
         RouteDecision,
         PrefillCompleted,

@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 
 from schemas.events import PriorityClass
+from services.admission.policy import AdmissionLimits, Control
 
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
 
@@ -25,10 +26,49 @@ class TenantConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # API keys are stored only as SHA-256 hex digests.
     api_keys_sha256: list[str]
     priority: PriorityClass = "standard"
+    # Admission's further limits (none by default): prompt tokens/s and max-output tokens/s
+    # buckets (a burst defaults to one second's worth) and requests in flight at once; and the
+    # tenant's weight in fair queuing between the tenants of a priority class.
+    input_tokens_per_s: PositiveFloat | None = None
+    input_token_burst: PositiveFloat | None = None
+    output_tokens_per_s: PositiveFloat | None = None
+    output_token_burst: PositiveFloat | None = None
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    weight: PositiveFloat = 1.0
     requests_per_s: PositiveFloat = 20.0
     request_burst: PositiveFloat = 40.0
     tokens_per_s: PositiveFloat = 200_000.0
     token_burst: PositiveFloat = 800_000.0
+
+
+_ADMISSION = AdmissionLimits()
+
+
+class AdmissionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Admission's limits: the fields of `AdmissionLimits` (services/admission/policy.py), whose
+    defaults these are."""
+
+    control: Control = _ADMISSION.control
+    min_priority_level: int = _ADMISSION.min_priority_level
+    max_priority_level: int = _ADMISSION.max_priority_level
+    max_deadline_s: PositiveFloat = _ADMISSION.max_deadline_s
+    max_deferred: Annotated[int, msgspec.Meta(ge=0)] = _ADMISSION.max_deferred
+    max_deferred_bytes: Annotated[int, msgspec.Meta(ge=0)] = _ADMISSION.max_deferred_bytes
+    max_defer_s: PositiveFloat = _ADMISSION.max_defer_s
+    critical_below: PositiveFloat = _ADMISSION.critical_below
+    standard_below: PositiveFloat = _ADMISSION.standard_below
+    sheddable_below: PositiveFloat = _ADMISSION.sheddable_below
+    new_workflow_factor: PositiveFloat = _ADMISSION.new_workflow_factor
+    kv_high: PositiveFloat = _ADMISSION.kv_high
+    queue_per_worker: PositiveFloat = _ADMISSION.queue_per_worker
+    wait_high_s: PositiveFloat = _ADMISSION.wait_high_s
+    tpot_high_s: PositiveFloat = _ADMISSION.tpot_high_s
+    lease_s: PositiveFloat = _ADMISSION.lease_s
+    concurrency_retry_after_s: PositiveFloat = _ADMISSION.concurrency_retry_after_s
+    deadline_margin_s: Annotated[float, msgspec.Meta(ge=0)] = _ADMISSION.deadline_margin_s
+
+    def limits(self) -> AdmissionLimits:
+        return AdmissionLimits(**msgspec.structs.asdict(self))
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +92,7 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_idle_timeout_s: PositiveFloat = 30.0
     models: list[ModelConfig]
     tenants: dict[str, TenantConfig]
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     gpu_prices_per_hour: dict[str, PositiveFloat]
     # The ledger prices KV cache bytes moved from a prefill to a decode worker at this many US$
     # per GB (10^9 bytes). The default, 0.01, is the order of inter-zone data transfer prices on

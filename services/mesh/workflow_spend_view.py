@@ -63,6 +63,10 @@ class WorkflowSpendView:
             return 0.0
         return value.spend_usd
 
+    def get(self, workflow_id: str | None) -> WorkflowSpend | None:
+        """The ledger's latest entry for the workflow, whatever its status; None when unknown."""
+        return self._spend.get(workflow_id) if workflow_id is not None else None
+
     def apply(self, key: str, value: bytes | None, operation: str | None) -> str:
         """One watched entry; returns the outcome counted."""
         if operation in ("DEL", "PURGE") or value is None:
