@@ -127,13 +127,6 @@ def _ripple_headers(request: Request) -> tuple[PriorityClass, int, int | None, W
         return value
 
     deadline_ms = integer("x-ripple-deadline-ms")
-    workflow = None
-    workflow_id = headers.get("x-ripple-workflow-id")
-    if workflow_id is not None:
-        try:
-            workflow = msgspec.convert(
-                {
-                    "workflow_id": workflow_id,
     raw_level = headers.get("x-ripple-priority-level", "0")
     try:
         priority_level = int(raw_level)
@@ -141,6 +134,13 @@ def _ripple_headers(request: Request) -> tuple[PriorityClass, int, int | None, W
         raise InvalidRequest(
             "x-ripple-priority-level must be an integer", param="x-ripple-priority-level"
         ) from None
+    workflow = None
+    workflow_id = headers.get("x-ripple-workflow-id")
+    if workflow_id is not None:
+        try:
+            workflow = msgspec.convert(
+                {
+                    "workflow_id": workflow_id,
                     "step": integer("x-ripple-workflow-step") or 1,
                     "steps": integer("x-ripple-workflow-steps"),
                 },
@@ -378,6 +378,7 @@ class IngressService:
             max_tokens=max_tokens,
             temperature=temperature,
             priority=priority,
+            priority_level=priority_level,
             deadline_ms=deadline_ms,
             workflow=workflow,
         )
@@ -391,7 +392,6 @@ class IngressService:
         tokens: TokenStream,
         include_usage: bool,
         prepared: InferenceRequest,
-            priority_level=priority_level,
     ) -> AsyncIterator[bytes]:
         ended = False  # a final event came: nothing left to cancel
         try:
@@ -494,6 +494,7 @@ class IngressService:
                     max_tokens=submission.max_tokens,
                     temperature=submission.temperature,
                     priority=submission.priority,
+                    priority_level=submission.priority_level,
                     deadline_ms=submission.deadline_ms,
                     workflow=submission.workflow,
                 ),
@@ -525,4 +526,3 @@ class IngressService:
             message=exc.message,
             http_status=exc.status,
         )
-                    priority_level=submission.priority_level,

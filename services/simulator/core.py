@@ -333,13 +333,12 @@ class Simulator:
         )
 
     def _queued_tokens(self, worker: SimWorker, now: float) -> int:
-        """The prompt tokens the worker has yet to prefill (what a heartbeat reports): the rest of
-        the prompts in its batch, and the uncached part of those waiting."""
-        total = sum(seq.prompt_len + seq.generated - seq.computed for seq in worker.prefilling)
+        """The uncached prompt tokens in the worker's waiting queue (what a heartbeat reports)."""
         if not worker.waiting:
-            return total
+            return 0
         self.prefix.now = now
         size = worker.block_size
+        total = 0
         for seq in worker.waiting:
             if not seq.kv_import:
                 cached = self.prefix.overlap(worker.worker_id, seq.hashes) * size
@@ -429,10 +428,10 @@ class Simulator:
                 self.starting.pop(obj.worker_id, None)
                 if obj.removed_at is None:
                     self._serve(obj, at)
-        self.events = events
             elif kind == _ADMISSION:
                 if at == self._admission_tick_at:
                     self._admission_tick(at)
+        self.events = events
         if self.progress is not None:
             self.progress(self.tasks_ended, self._total_hint)
         return self._result(time.perf_counter() - started)
@@ -455,7 +454,6 @@ class Simulator:
         rid = f"{task.task_id}-{index}" if task.workflow else task.task_id
         req = _RequestRun(task_run, index, rid, spec, now)
         self.requests += 1
-        prompt, output = spec.prompt_tokens, spec.output_tokens
         if self._admit(req, now):
             self._route(req, now)
 
@@ -463,6 +461,7 @@ class Simulator:
         """Place an admitted request and hand it to its workers."""
         task_run, spec, index, rid = req.task_run, req.spec, req.index, req.rid
         task = task_run.task
+        prompt, output = spec.prompt_tokens, spec.output_tokens
         self.prefix.now = now
         placement = self.router(
             self.router_state,
@@ -515,7 +514,6 @@ class Simulator:
         if req.deadline_at is not None and self.options.abandon_past_deadline:
             self._push(req.deadline_at, _DEADLINE, req)
 
-    def _upper_bound(self, spec: Step) -> int:
     # ------------------------------------------------------------ admission
 
     def _admit(self, req: _RequestRun, now: float) -> bool:
@@ -667,6 +665,7 @@ class Simulator:
             if self.admission.deferred:
                 self._schedule_admission(now)
 
+    def _upper_bound(self, spec: Step) -> int:
         """The prompt tokens an infinite cache shared by the whole fleet would hold: the leading
         blocks of this prompt that some earlier request's prompt had."""
         if not self.options.prefix_upper_bound or not self.workload.prefix_sharing:
@@ -807,8 +806,8 @@ class Simulator:
         self.slo_ttft_met += ttft_ok
         self.slo_tpot_met += tpot_ok
         self.slo_met += ttft_ok and tpot_ok
-        task_run = req.task_run
         self._ended(req, now, admitted=True, slo_met=ttft_ok and tpot_ok)
+        task_run = req.task_run
         task_run.max_completed_step = max(task_run.max_completed_step, req.index)
         if req.deadline_at is not None and now > req.deadline_at:
             task_run.deadline_misses += 1
@@ -872,8 +871,8 @@ class Simulator:
         if self.request_log is not None:
             self._log(req, key, now)
         req.done = True
-        self._step_failed(req, now)
         self._ended(req, now, admitted=stage != "admission")
+        self._step_failed(req, now)
 
     def _fail(self, req: _RequestRun, stage: str, reason: str, now: float) -> None:
         key = f"{stage}:{reason}"
@@ -884,8 +883,8 @@ class Simulator:
             else:
                 self._log(req, key, now)
         req.done = True
-        self._step_failed(req, now)
         self._ended(req, now, admitted=True)
+        self._step_failed(req, now)
 
     def _deadline(self, req: _RequestRun, now: float) -> None:
         if req.done:
@@ -937,8 +936,8 @@ class Simulator:
                 self._remove(worker, now)
                 continue
             self._observe(worker, now)
-        if self._work_left():
         self._observe_fleet(now)
+        if self._work_left():
             self._push(now + self.fleet.heartbeat_s, _HEARTBEAT, None)
 
     def _autoscale(self, now: float) -> None:
@@ -1107,7 +1106,6 @@ class Simulator:
             mean_replicas=sum(replicas) / len(replicas) if replicas else None,
             wall_s=wall_s,
             events=self.events,
-        )
             admission=self.admission_variant.name,
             deferred_requests=self.deferred,
             deferral_s=latency_stats(self.deferral),
@@ -1115,7 +1113,7 @@ class Simulator:
                 p: ratio(met, issued) for p, (met, issued) in sorted(self.slo_by_priority.items())
             },
             tenants=self._tenant_figures(),
-
+        )
 
     def _tenant_figures(self) -> dict[str, dict[str, Any]]:
         tenants = self.workload.tenants
@@ -1139,6 +1137,7 @@ class Simulator:
                 "weight_share_in_class": ratio(tenant.quota.weight, class_weight[tenant.priority]),
             }
         return out
+
 
 def _mesh_config() -> MeshConfig:
     """The mesh's configuration: GPU prices, the KV transfer price and the task timeout."""
@@ -1179,8 +1178,8 @@ def run_simulation(
     progress: Progress | None = None,
     prices: dict[str, float] | None = None,
     request_log: RequestLog | None = None,
-) -> SimResult:
     admission: AdmissionVariant | str = DEFAULT_ADMISSION,
+) -> SimResult:
     """Replay `workload` on `fleet` under the routing policy `policy` (policies.POLICY_NAMES)."""
     return Simulator(
         workload,
@@ -1191,5 +1190,5 @@ def run_simulation(
         progress=progress,
         prices=prices,
         request_log=request_log,
-    ).run()
         admission=admission,
+    ).run()
