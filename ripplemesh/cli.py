@@ -62,7 +62,22 @@ def main() -> None:
 
 @main.command()
 @click.argument("service", type=click.Choice(SERVICES))
-@click.option("--nats-url", envvar="NATS_URL", required=True, help="NATS server to join.")
+@click.option("--nats-url", envvar="NATS_URL", required=True, help="NATS server(s) to join, comma-separated.")
+@click.option(
+    "--nats-credentials",
+    envvar="RIPPLEMESH_NATS_CREDENTIALS",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="The services' NATS user and password (a JSON file, as `ripplemesh up` writes).",
+)
+@click.option(
+    "--nats-replicas",
+    envvar="RIPPLEMESH_NATS_REPLICAS",
+    type=click.IntRange(1, 5),
+    default=1,
+    show_default=True,
+    help="Copies of each stream and KV bucket: 3 on a 3-node cluster.",
+)
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
 @click.option("--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API).")
@@ -78,6 +93,8 @@ def main() -> None:
 def run(
     service: str,
     nats_url: str,
+    nats_credentials: Path | None,
+    nats_replicas: int,
     data_dir: Path | None,
     config_file: Path | None,
     http_port: int,
@@ -92,6 +109,7 @@ def run(
     database_url: str | None,
 ) -> None:
     """Run one service in this process until SIGTERM or Ctrl-C."""
+    from services.mesh.nats_auth import CredentialsError, load_credentials
     from services.mesh.runtime import ServiceOptions, run_service, setup_logging
 
     setup_logging(service)
@@ -99,7 +117,8 @@ def run(
         raise click.UsageError(f"{service} needs --worker-id")
     try:
         config = load_config(config_file)
-    except ConfigError as exc:
+        credentials = load_credentials(nats_credentials) if nats_credentials else None
+    except (ConfigError, CredentialsError) as exc:
         raise click.ClickException(str(exc)) from exc
     extra = {
         "worker_id": worker_id,
@@ -117,6 +136,8 @@ def run(
         config=config,
         http_host=http_host,
         http_port=http_port,
+        nats_credentials=credentials,
+        nats_replicas=nats_replicas,
         extra=extra,
     )
     uvloop.run(run_service(_service(service), options))
@@ -128,6 +149,29 @@ def run(
 @click.option("--decode", default=1, show_default=True, help="Decode workers.")
 @click.option("--http-port", default=8000, show_default=True)
 @click.option("--nats-url", envvar="NATS_URL", default=None, help="Use this NATS instead of an embedded one.")
+@click.option(
+    "--nats-cluster",
+    type=click.IntRange(1, 9),
+    default=1,
+    show_default=True,
+    help="Embedded NATS nodes: 3 runs a JetStream cluster on loopback with R3 streams.",
+)
+@click.option(
+    "--nats-credentials",
+    envvar="RIPPLEMESH_NATS_CREDENTIALS",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    default=None,
+    help="With --nats-url: the services' NATS user (a JSON file: user, password).",
+)
+@click.option(
+    "--nats-replicas",
+    type=click.IntRange(1, 5),
+    default=None,
+    help="With --nats-url: copies of each stream (default 1; embedded: up to 3, one per node).",
+)
+@click.option(
+    "--no-nats-auth", is_flag=True, help="Embedded NATS without users or permissions (development only)."
+)
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
 @click.option("--gpu", default="H100", show_default=True)
@@ -140,6 +184,10 @@ def up(
     decode: int,
     http_port: int,
     nats_url: str | None,
+    nats_cluster: int,
+    nats_credentials: Path | None,
+    nats_replicas: int | None,
+    no_nats_auth: bool,
     data_dir: Path | None,
     config_file: Path | None,
     gpu: str,
@@ -149,12 +197,18 @@ def up(
 ) -> None:
     """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all."""
     from ripplemesh.launcher import Mesh
+    from services.mesh.nats_auth import CredentialsError, auth_for_config, load_credentials
 
     if decode < 1:
         raise click.UsageError("the mesh needs at least one decode worker")
+    if nats_url and nats_cluster != 1:
+        raise click.UsageError("--nats-cluster starts an embedded cluster; it cannot go with --nats-url")
     try:
-        load_config(config_file)
-    except ConfigError as exc:
+        config = load_config(config_file)
+        service_credentials = load_credentials(nats_credentials) if nats_credentials else None
+        # Users per tenant and their permissions: checked here, before anything starts.
+        auth = auth_for_config(config) if nats_url is None and not no_nats_auth else None
+    except (ConfigError, CredentialsError) as exc:
         raise click.ClickException(str(exc)) from exc
     data = (data_dir or default_data_dir()).resolve()
     mesh = Mesh(
@@ -169,6 +223,11 @@ def up(
         model_path=model_path,
         time_scale=time_scale,
         database_url=database_url,
+        nats_cluster=nats_cluster,
+        nats_auth=not no_nats_auth,
+        auth=auth,
+        service_credentials=service_credentials,
+        nats_replicas=nats_replicas,
     )
     stop_requested = False
 
@@ -187,7 +246,16 @@ def up(
         "OpenAI API",
         f"http://127.0.0.1:{http_port}/v1  (api key: rm-demo-key with the default config)",
     )
-    table.add_row("NATS", mesh.url)
+    nodes = f"{nats_cluster}-node cluster, R{mesh.replicas} streams" if nats_cluster > 1 else "one server"
+    table.add_row("NATS", f"{mesh.url}  ({nodes})" if nats_url is None else mesh.url)
+    for name, path in mesh.credential_files.items():
+        what = "NATS user of the services" if name == "services" else f"NATS user of tenant {name}"
+        table.add_row(what, f"{path}  (ripplemesh submit --nats-credentials {path} ...)")
+    if auth is not None:
+        for tenant in sorted(set(config.tenants) - set(auth.tenants)):
+            table.add_row(
+                f"NATS user of tenant {tenant}", "its password is configured (nats_password_bcrypt)"
+            )
     for child in mesh.children:
         table.add_row(f"{child.name} metrics", f"{child.url}/metrics")
     table.add_row("traces", f"{data / 'traces'}  (ripplemesh trace <request_id>)")
@@ -212,16 +280,54 @@ def up(
 
 @main.command()
 @click.argument("prompt")
-@click.option("--tenant", default="demo", show_default=True)
+@click.option("--tenant", default=None, help="[default: the credentials' tenant, else demo]")
 @click.option("--model", default="llama-3-8b", show_default=True)
 @click.option("--max-tokens", default=64, show_default=True)
-@click.option("--nats-url", envvar="NATS_URL", default="nats://127.0.0.1:4222", show_default=True)
-def submit(prompt: str, tenant: str, model: str, max_tokens: int, nats_url: str) -> None:
-    """Submit a prompt over NATS and print its tokens as they stream."""
+@click.option(
+    "--nats-credentials",
+    envvar="RIPPLEMESH_NATS_CREDENTIALS",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="The tenant's NATS credentials [default: <data-dir>/credentials/tenant-<tenant>.json if "
+    "`ripplemesh up` wrote it].",
+)
+@click.option(
+    "--nats-url",
+    envvar="NATS_URL",
+    default=None,
+    help="NATS server(s), comma-separated [default: the credentials' servers, else nats://127.0.0.1:4222].",
+)
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None)
+def submit(
+    prompt: str,
+    tenant: str | None,
+    model: str,
+    max_tokens: int,
+    nats_credentials: Path | None,
+    nats_url: str | None,
+    data_dir: Path | None,
+) -> None:
+    """Submit a prompt over NATS, as a tenant, and print its tokens as they stream."""
     from ripplemesh.client import MeshClient, MeshError
+    from services.mesh.nats_auth import CredentialsError, load_credentials, tenant_credentials_path
+
+    if nats_credentials is None:
+        candidate = tenant_credentials_path(
+            (data_dir or default_data_dir()) / "credentials", tenant or "demo"
+        )
+        nats_credentials = candidate if candidate.exists() else None
+    try:
+        credentials = load_credentials(nats_credentials) if nats_credentials else None
+    except CredentialsError as exc:
+        raise click.ClickException(str(exc)) from exc
+    tenant = tenant or (credentials.tenant if credentials else None) or "demo"
+    if credentials is not None and credentials.tenant not in (None, tenant):
+        raise click.UsageError(f"{nats_credentials} holds the credentials of tenant {credentials.tenant!r}")
+    url = nats_url or (",".join(credentials.servers) if credentials and credentials.servers else None)
+    url = url or "nats://127.0.0.1:4222"
 
     async def go() -> None:
-        async with MeshClient(nats_url, tenant, model=model) as client:
+        async with MeshClient(url, tenant, model=model, credentials=credentials) as client:
             async for chunk in client.stream(prompt=prompt, max_tokens=max_tokens):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

@@ -1,8 +1,13 @@
 """`MeshClient`: submit requests over NATS and receive their tokens, in order, exactly once.
 
-async with MeshClient("nats://127.0.0.1:4222", tenant="demo") as client:
+credentials = load_credentials(".ripplemesh/credentials/tenant-demo.json")  # ripplemesh up wrote it
+async with MeshClient("nats://127.0.0.1:4222", tenant="demo", credentials=credentials) as client:
     async for chunk in client.stream(prompt="Hello", max_tokens=32):
         print(chunk.text, end="")
+
+The NATS URL may list several cluster nodes, comma-separated: the client reconnects to another
+one when its node is lost, retries its publishes through leader elections, and has the token
+events it missed meanwhile published again.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from schemas.events import (
     CancelRequest,
     ChatMessage,
     PriorityClass,
+    ReplayTokens,
     StreamFailed,
     StreamFinished,
     SubmitRequest,
@@ -32,8 +38,9 @@ from schemas.events import (
     new_event_id,
 )
 from schemas.subjects import request_subject, tokens_subject
-from services.mesh.bus import nats_servers
-from services.mesh.token_stream import TokenStream
+from services.mesh.bus import nats_servers, publish_acked, reconnecting_options
+from services.mesh.nats_auth import NatsCredentials
+from services.mesh.token_stream import ReadBack, TokenStream
 from services.mesh.tracing import inject_headers
 
 
@@ -68,8 +75,12 @@ class MeshClient:
         first_token_timeout_s: float = 60.0,
         idle_timeout_s: float = 30.0,
         nc: NatsClient | None = None,
+        credentials: NatsCredentials | None = None,
     ):
+        if credentials is not None and credentials.tenant not in (None, tenant):
+            raise ValueError(f"credentials of tenant {credentials.tenant!r} cannot act for {tenant!r}")
         self.nats_url = nats_url
+        self.credentials = credentials
         self.tenant = tenant
         self.model = model
         self.first_token_timeout_s = first_token_timeout_s
@@ -81,9 +92,8 @@ class MeshClient:
         if self._nc is None:
             self._nc = await nats.connect(
                 nats_servers(self.nats_url),
-                name=f"ripplemesh-client-{self.tenant}",
-                connect_timeout=5,
-                max_reconnect_attempts=-1,
+                **reconnecting_options(f"ripplemesh-client-{self.tenant}"),
+                **(self.credentials.connect_options() if self.credentials else {}),
             )
         return self
 
@@ -140,12 +150,13 @@ class MeshClient:
             tokens_subject(self.tenant, request_id),
             first_event_timeout_s=self.first_token_timeout_s,
             idle_timeout_s=self.idle_timeout_s,
+            read_back=self._replay_from(request_id) if self._is_tenant_user else None,
         )
         async with stream:
             # The caller's trace context (if it traces) becomes the request's parent.
             headers = inject_headers({"Nats-Msg-Id": submission.event_id})
-            await self.nc.jetstream(timeout=5).publish(
-                request_subject(self.tenant), encode_event(submission), headers=headers
+            await publish_acked(
+                self.nc.jetstream(), request_subject(self.tenant), encode_event(submission), headers
             )
             ended = False
             try:
@@ -163,6 +174,26 @@ class MeshClient:
         await self.nc.jetstream(timeout=5).publish(
             request_subject(self.tenant), encode_event(cancel), headers={"Nats-Msg-Id": cancel.event_id}
         )
+
+    @property
+    def _is_tenant_user(self) -> bool:
+        # A tenant's NATS user has no JetStream API: it reads back through ingress instead.
+        return self.credentials is not None and self.credentials.tenant is not None
+
+    def _replay_from(self, request_id: str) -> ReadBack:
+        async def replay(from_seq: int) -> list[TokenEvent]:
+            request = ReplayTokens(
+                event_id=new_event_id(), occurred_at=time.time(), request_id=request_id, from_seq=from_seq
+            )
+            await publish_acked(
+                self.nc.jetstream(),
+                request_subject(self.tenant),
+                encode_event(request),
+                {"Nats-Msg-Id": request.event_id},
+            )
+            return []  # ingress publishes them on the subscribed subject
+
+        return replay
 
     async def stream(self, **request: object) -> AsyncIterator[TokenChunk]:
         """Yield token chunks; raise `MeshError` if the mesh rejects or fails the request."""

@@ -2,6 +2,11 @@
 
 Used by the command, by the tests and by the benchmarks, so all three run the same mesh.
 Children are told by Linux to exit if this process dies, so nothing is ever left behind.
+
+The embedded NATS is one server or a cluster of `nats_cluster` nodes (streams then get that
+many replicas, up to 3), with the mesh's users: the services' and one per tenant (see
+`services/mesh/nats_auth.py`). Their credentials are written under ``<data_dir>/credentials/``;
+each child reads the services' file (`--nats-credentials`), so no secret is on a command line.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
+from services.mesh.bus import nats_servers
+from services.mesh.config import load_config
 from services.mesh.embedded_nats import EmbeddedNats, free_port
+from services.mesh.nats_auth import NatsAuth, NatsCredentials, auth_for_config, save_credentials
 
 SERVICES_IN_ORDER = ("ledger", "autoscaler", "router", "admission", "ingress")
 
@@ -56,8 +66,18 @@ class Mesh:
     model_path: str | None = None
     database_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Nodes of the embedded NATS (1: one server; 3: a JetStream cluster with R3 streams).
+    nats_cluster: int = 1
+    # Embedded NATS: users per tenant plus the services' (False: no authorization at all).
+    nats_auth: bool = True
+    # An external NATS (`nats_url`): its users, or just the services' credentials.
+    auth: NatsAuth | None = None
+    service_credentials: NatsCredentials | None = None
+    # Stream replicas on an external NATS (an embedded one: from nats_cluster).
+    nats_replicas: int | None = None
     children: list[Child] = field(default_factory=list)
     nats: EmbeddedNats | None = None
+    credential_files: dict[str, Path] = field(default_factory=dict)
 
     def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
         port = http_port or free_port()
@@ -73,11 +93,48 @@ class Mesh:
             str(self.data_dir),
             "--http-port",
             str(port),
+            "--nats-replicas",
+            str(self.replicas),
             *extra,
         ]
+        if "services" in self.credential_files:
+            args += ["--nats-credentials", str(self.credential_files["services"])]
         if self.config_path is not None:
             args += ["--config", str(self.config_path)]
         return Child(name, args, port, self.data_dir / "logs" / f"{name}.log")
+
+    @property
+    def replicas(self) -> int:
+        if self.nats_replicas is not None:
+            return self.nats_replicas
+        return min(3, self.nats_cluster) if self.nats_url is None else 1
+
+    def credentials(self, tenant: str) -> NatsCredentials:
+        """A tenant's NATS credentials (a mesh whose NATS has users and made this tenant's password)."""
+        if self.auth is None:
+            raise RuntimeError("this mesh's NATS has no users")
+        return self.auth.credentials(tenant)
+
+    def connect_options(self) -> dict[str, object]:
+        """`nats.connect` keyword arguments for the services' user (empty without authorization)."""
+        creds = self.service_credentials or (self.auth.service if self.auth else None)
+        return creds.connect_options() if creds else {}
+
+    def _prepare_nats(self) -> None:
+        """Start the embedded NATS (or adopt the external one's users) and write the credentials."""
+        directory = self.data_dir / "credentials"
+        if self.nats_url is None:
+            if self.nats_auth and self.auth is None:
+                self.auth = auth_for_config(load_config(self.config_path))
+            self.nats = EmbeddedNats(self.data_dir / "nats", nodes=self.nats_cluster, auth=self.auth).start()
+        servers = nats_servers(self.url)
+        if self.auth is not None:
+            self.credential_files = self.auth.write(directory, servers)
+        elif self.service_credentials is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            directory.chmod(0o700)
+            creds = msgspec.structs.replace(self.service_credentials, servers=servers)
+            self.credential_files = {"services": save_credentials(creds, directory / "services.json")}
 
     @property
     def url(self) -> str:
@@ -105,11 +162,10 @@ class Mesh:
     def start(self, ready_timeout_s: float = 60.0) -> Mesh:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
-        if self.nats_url is None:
-            self.nats = EmbeddedNats(self.data_dir / "nats").start()
-        self.children = self.plan()
         env = {**os.environ, **self.env}
         try:
+            self._prepare_nats()
+            self.children = self.plan()
             for child in self.children:
                 log = child.log_path.open("ab")
                 child.process = subprocess.Popen(

@@ -115,7 +115,9 @@ class ConsumerSpec(msgspec.Struct, frozen=True, kw_only=True):
     durable: str
     stream: str
     filter_subject: str
-    ack_wait_s: float = 30.0
+    # A delivery lost with a NATS node (or a dead process) comes back after this long. A handler
+    # that runs longer keeps its message by reporting progress every ack_wait/3.
+    ack_wait_s: float = 10.0
     max_deliver: int = 5
     # Redelivery delays after a nak, by attempt; the last repeats.
     backoff_s: tuple[float, ...] = (0.1, 0.5, 2.0, 5.0)

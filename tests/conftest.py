@@ -1,17 +1,27 @@
-"""Shared fixtures: a real nats-server on a random port, and a real mesh of service processes."""
+"""Shared fixtures: a real nats-server on a random port, and a real mesh of service processes.
+
+The server has the mesh's NATS users (the services' and one per tenant of TEST_CONFIG, with
+their permissions), so every connection authenticates: `mesh.connect_options()` for the
+services' user, `mesh.credentials(tenant)` for a tenant's. With RIPPLEMESH_TEST_NATS_NODES=3 the
+whole suite runs on a 3-node JetStream cluster with R3 streams.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ripplemesh.launcher import Mesh
 from services.mesh.bus import Bus
+from services.mesh.config import MeshConfig
 from services.mesh.embedded_nats import EmbeddedNats
+from services.mesh.nats_auth import NatsAuth, auth_for_config
 
 TEST_KEY = "rm-test-key"
 TINY_KEY = "rm-tiny-key"
@@ -57,16 +67,47 @@ B200 = 5.5
 """
 
 
+TEST_NATS_NODES = int(os.environ.get("RIPPLEMESH_TEST_NATS_NODES", "1"))
+
+
+def replicas_for(server: EmbeddedNats) -> int:
+    """Stream replicas on this deployment: one per node, at most 3."""
+    return min(3, len(server.nodes))
+
+
 @pytest.fixture(scope="session")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(tmp_path_factory.mktemp("nats")).start()
+def nats_auth() -> NatsAuth:
+    """The test mesh's NATS users: the services' and one per tenant of TEST_CONFIG."""
+    return auth_for_config(msgspec.toml.decode(TEST_CONFIG, type=MeshConfig))
+
+
+@pytest.fixture(scope="session")
+def nats_credentials(nats_auth: NatsAuth, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The users' credential files, by name ("services" or the tenant's), for other processes."""
+    return nats_auth.write(tmp_path_factory.mktemp("credentials"))
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory, nats_auth: NatsAuth) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats"), nodes=TEST_NATS_NODES, auth=nats_auth).start()
     yield server
     server.stop()
 
 
 @pytest.fixture
+async def nats_cluster(tmp_path: Path, nats_auth: NatsAuth) -> AsyncIterator[EmbeddedNats]:
+    """A fresh 3-node JetStream cluster on loopback for one test: random client, route and
+    monitoring ports, a data directory per node, the test users; stopped afterwards."""
+    async with EmbeddedNats(tmp_path / "nats-cluster", nodes=3, auth=nats_auth) as cluster:
+        yield cluster
+
+
+@pytest.fixture
 async def bus(nats_server: EmbeddedNats) -> AsyncIterator[Bus]:
-    connected = await Bus.connect(nats_server.url, "tests")
+    assert nats_server.auth is not None
+    connected = await Bus.connect(
+        nats_server.url, "tests", credentials=nats_server.auth.service, replicas=replicas_for(nats_server)
+    )
     await connected.provision()
     yield connected
     await connected.close()
@@ -90,6 +131,8 @@ def mesh(
         data_dir=tmp_path_factory.mktemp("mesh"),
         config_path=test_config,
         nats_url=nats_server.url,
+        auth=nats_server.auth,
+        nats_replicas=replicas_for(nats_server),
         http_port=free_port(),
         prefill=1,
         decode=1,

@@ -27,7 +27,7 @@ def api(mesh: Mesh) -> str:
 
 
 async def test_mesh_client_receives_every_chunk_in_order(mesh: Mesh) -> None:
-    async with MeshClient(mesh.url, "acme") as client:
+    async with MeshClient(mesh.url, "acme", credentials=mesh.credentials("acme")) as client:
         seqs, tokens = [], 0
         final = None
         async for event in client.events(prompt="the router picks a worker", max_tokens=40):
@@ -43,7 +43,7 @@ async def test_mesh_client_receives_every_chunk_in_order(mesh: Mesh) -> None:
 
 
 async def test_concurrent_requests_all_complete(mesh: Mesh) -> None:
-    async with MeshClient(mesh.url, "acme") as client:
+    async with MeshClient(mesh.url, "acme", credentials=mesh.credentials("acme")) as client:
         results = await asyncio.gather(
             *(client.complete(prompt=f"request number {i} for the fleet", max_tokens=12) for i in range(30))
         )
@@ -130,7 +130,7 @@ async def test_quota_rejection_is_429_with_retry_after(mesh: Mesh) -> None:
 async def test_malformed_nats_submission_is_dead_lettered_and_serving_goes_on(mesh: Mesh) -> None:
     import nats
 
-    nc = await nats.connect(mesh.url)
+    nc = await nats.connect(mesh.url, **mesh.connect_options())
     try:
         js = nc.jetstream()
         marker = uuid.uuid4().hex

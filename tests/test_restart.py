@@ -44,7 +44,7 @@ async def test_ledger_killed_mid_stream_counts_every_request_exactly_once(mesh: 
             done.append(result.request_id)
         return done
 
-    async with MeshClient(mesh.url, "acme") as client:
+    async with MeshClient(mesh.url, "acme", credentials=mesh.credentials("acme")) as client:
         tasks = [
             asyncio.create_task(client.complete(prompt=f"restart {i} of the ledger", max_tokens=max_tokens))
             for i in range(requests)

@@ -497,7 +497,7 @@ def all_indexed_blocks(mesh: Mesh) -> dict[str, int]:
 async def test_router_predicts_the_cached_prefix_a_repeated_prompt_finds(mesh: Mesh) -> None:
     prompt = long_prompt()
     baseline = all_indexed_blocks(mesh)
-    async with MeshClient(mesh.url, "acme") as client:
+    async with MeshClient(mesh.url, "acme", credentials=mesh.credentials("acme")) as client:
         first = await client.complete(prompt=prompt, max_tokens=4)
         assert first.usage.cached_tokens == 0
         first_span = decide_span(mesh, first.request_id)["attributes"]
@@ -518,7 +518,7 @@ async def test_router_predicts_the_cached_prefix_a_repeated_prompt_finds(mesh: M
 async def test_router_restart_rebuilds_the_index_from_dumps(mesh: Mesh) -> None:
     prompt = long_prompt()
     baseline = all_indexed_blocks(mesh)
-    async with MeshClient(mesh.url, "acme") as client:
+    async with MeshClient(mesh.url, "acme", credentials=mesh.credentials("acme")) as client:
         first = await client.complete(prompt=prompt, max_tokens=4)
         worker = decide_span(mesh, first.request_id)["attributes"]["ripple.router.prefill_worker"]
         expected = baseline.get(worker, 0) + first.usage.prompt_tokens // 16

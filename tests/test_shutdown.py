@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 async def test_sigterm_to_a_decode_worker_lets_its_streams_finish(mesh: Mesh) -> None:
     max_tokens = 1500
     try:
-        async with MeshClient(mesh.url, "acme") as client:
+        async with MeshClient(mesh.url, "acme", credentials=mesh.credentials("acme")) as client:
             events = client.events(prompt="a long answer, please", max_tokens=max_tokens)
             tokens, final = 0, None
             # Tokens past the first come from the decode worker: it is streaming this request.

@@ -31,10 +31,15 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("nats_nodes", [1, 3], ids=["one-nats-server", "nats-cluster-3"])
+def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_nodes: int) -> None:
     port = free_port()
     data_dir = tmp_path / "mesh-data"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "NATS_URL"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("OTEL_") and k not in ("NATS_URL", "RIPPLEMESH_NATS_CREDENTIALS")
+    }
     process = subprocess.Popen(
         [
             sys.executable,
@@ -47,6 +52,8 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path) -> None:
             str(data_dir),
             "--time-scale",
             "0.05",
+            "--nats-cluster",
+            str(nats_nodes),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -90,6 +97,31 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path) -> None:
         completion = client.completions.create(model="llama-3-8b", prompt="Once upon", max_tokens=5)
         assert completion.usage is not None and completion.usage.completion_tokens == 5
         assert completion.choices[0].text.strip()
+
+        # NATS: every node listed; the tenant's credentials written for its owner only, and
+        # `ripplemesh submit` finds them (and the servers) in the data directory.
+        assert len(lines[-1].split()[2].split(",")) == nats_nodes
+        credentials = data_dir / "credentials" / "tenant-demo.json"
+        assert credentials.stat().st_mode & 0o777 == 0o600
+        submitted = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ripplemesh",
+                "submit",
+                "Hello",
+                "--max-tokens",
+                "4",
+                "--data-dir",
+                str(data_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        assert submitted.stdout.strip()
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -3,7 +3,9 @@
 HTTP: authenticate (API key -> tenant), validate, tokenize and hash (`prepare`), publish a
 `RequestPrepared`, then relay the request's token stream as SSE (or one JSON body).
 NATS: consume `SubmitRequest`s from ``rmesh.req.<tenant>`` (the tenant is the subject's), prepare
-them the same way; the client reads its tokens from ``rmesh.tokens.<tenant>.<request_id>``.
+them the same way; the client reads its tokens from ``rmesh.tokens.<tenant>.<request_id>``. A
+client that missed token events (its NATS node was lost) publishes `ReplayTokens`: ingress
+publishes the stored events again on that subject, the only one the tenant may read.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from schemas.events import (
     ClientEvent,
     InferenceRequest,
     PriorityClass,
+    ReplayTokens,
     RequestPrepared,
     StreamFailed,
     StreamFinished,
@@ -56,7 +59,7 @@ from services.ingress.prepare import ClientRequest, InvalidRequest, prepare
 from services.mesh.consumer import Delivery
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
-from services.mesh.token_stream import StreamTimeout, TokenStream
+from services.mesh.token_stream import StreamTimeout, TokenStream, stored_messages
 from services.mesh.tracing import REQUEST_ID, tracer
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,10 @@ NATS_SUBMISSIONS = Counter(
     "ripplemesh_ingress_nats_submissions_total",
     "Requests submitted over NATS, by outcome.",
     ["outcome"],
+)
+REPLAYED_EVENTS = Counter(
+    "ripplemesh_ingress_replayed_token_events_total",
+    "Token events published again for NATS clients that missed them (ReplayTokens).",
 )
 
 PRIORITIES: tuple[PriorityClass, ...] = ("critical", "standard", "sheddable")
@@ -161,6 +168,12 @@ def _field_of(exc: msgspec.ValidationError) -> str | None:
     if marker in text:
         return text.split(marker, 1)[1].rstrip("`")
     return None
+
+
+class _Sequenced(msgspec.Struct):
+    """Just the sequence number of a token event."""
+
+    seq: int
 
 
 class IngressService:
@@ -461,10 +474,31 @@ class IngressService:
     async def _on_client_event(self, event: ClientEvent, delivery: Delivery) -> None:
         if isinstance(event, SubmitRequest):
             await self._on_submission(event, delivery)
+        elif isinstance(event, ReplayTokens):
+            await self._on_replay(event, delivery)
         elif isinstance(event, CancelRequest):
             await self._on_cancel(event, delivery)
         else:
             log.info("client event not handled here", extra={"type": type(event).__name__})
+
+    async def _on_replay(self, replay: ReplayTokens, delivery: Delivery) -> None:
+        """Publish again the request's stored token events from `from_seq` on, with their own
+        message ids (the TOKENS stream drops them as duplicates; the client's subscription gets
+        them). The tenant is the subject's, so a tenant replays only its own streams."""
+        subject = tokens_subject(tenant_of(delivery.subject), replay.request_id)
+        replayed = 0
+        for msg in await stored_messages(self._rt.bus.nc, subject):
+            try:
+                seq = msgspec.json.decode(msg.data, type=_Sequenced).seq
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if seq >= replay.from_seq:
+                msg_id = (msg.headers or {}).get("Nats-Msg-Id")
+                await self._rt.bus.nc.publish(
+                    subject, msg.data, headers={"Nats-Msg-Id": msg_id} if msg_id else None
+                )
+                replayed += 1
+        REPLAYED_EVENTS.inc(replayed)
 
     async def _on_cancel(self, cancel: CancelRequest, delivery: Delivery) -> None:
         """A NATS client cancels one of its requests: the tenant is the subject's, and workers

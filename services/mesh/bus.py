@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import nats
+import nats.errors
 import nats.js.api as jsapi
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
@@ -25,11 +33,34 @@ from schemas.subjects import (
     KvBucketSpec,
     StreamSpec,
 )
+from services.mesh.nats_auth import NatsCredentials
 from services.mesh.tracing import inject_headers, subject_family, tracer
 
 log = logging.getLogger(__name__)
 
 PUBLISH_TIMEOUT_S = 5.0
+# An acked publish keeps trying this long: past a stream leader's election after a node loss
+# (a few seconds), well inside any consumer's ack wait.
+PUBLISH_RETRY_S = 20.0
+# After a failed attempt, each further one waits this long at most for its ack: an election
+# ends between two attempts, not inside one long wait.
+RETRY_ATTEMPT_TIMEOUT_S = 2.0
+_RETRY_BACKOFF_S = (0.05, 0.1, 0.25, 0.5, 1.0)
+# A fast publish on a replicated stream not acked within this long is published again, acked.
+FAST_ACK_WAIT_S = 3.0
+FAST_REPUBLISH_RETRY_S = 60.0
+
+# What a JetStream publish or API call raises while a node is lost, a client reconnects or a
+# stream elects a new leader: worth another try.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
+)
 
 
 def nats_servers(url: str) -> list[str]:
@@ -37,7 +68,59 @@ def nats_servers(url: str) -> list[str]:
     return [part.strip() for part in url.split(",") if part.strip()]
 
 
-def _stream_config(spec: StreamSpec) -> jsapi.StreamConfig:
+def reconnecting_options(name: str, *, connect_timeout_s: float = 5.0) -> dict[str, Any]:
+    """nats.connect options for a client that outlives any one node of a cluster.
+
+    It reconnects forever, to any node it knows (the list it was given, and the others the
+    cluster announces), a quarter second apart. A killed node's sockets close at once; a peer
+    that goes silent without closing is detected by pings within about 15 s. Publishes made
+    while reconnecting are buffered (up to 64 MiB) and sent on reconnect.
+    """
+    return {
+        "name": name,
+        "connect_timeout": connect_timeout_s,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.25,
+        "ping_interval": 5,
+        "max_outstanding_pings": 3,
+        "pending_size": 64 * 1024 * 1024,
+    }
+
+
+async def publish_acked(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    headers: dict[str, str],
+    *,
+    timeout_s: float = PUBLISH_TIMEOUT_S,
+    retry_s: float = PUBLISH_RETRY_S,
+) -> jsapi.PubAck:
+    """A JetStream publish retried through transient failures, for at most `retry_s` seconds.
+
+    Every attempt carries the same ``Nats-Msg-Id`` header, so a retry of a publish whose ack was
+    lost is stored once. The last error is raised when the time is up.
+    """
+    deadline = time.monotonic() + retry_s
+    attempt = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        wait = timeout_s if attempt == 0 else min(timeout_s, RETRY_ATTEMPT_TIMEOUT_S)
+        try:
+            return await js.publish(
+                subject, payload, timeout=max(0.1, min(wait, remaining)), headers=dict(headers)
+            )
+        except TRANSIENT_ERRORS as exc:
+            pause = _RETRY_BACKOFF_S[min(attempt, len(_RETRY_BACKOFF_S) - 1)]
+            if time.monotonic() + pause >= deadline:
+                raise
+            attempt += 1
+            log.info("publish retried", extra={"subject": subject, "attempt": attempt, "error": repr(exc)})
+            await asyncio.sleep(pause)
+
+
+def _stream_config(spec: StreamSpec, replicas: int = 1) -> jsapi.StreamConfig:
     return jsapi.StreamConfig(
         name=spec.name,
         description=spec.description,
@@ -49,7 +132,7 @@ def _stream_config(spec: StreamSpec) -> jsapi.StreamConfig:
         duplicate_window=spec.duplicate_window_s,
         max_msg_size=spec.max_msg_size,
         storage=jsapi.StorageType.FILE,
-        num_replicas=1,
+        num_replicas=replicas,
     )
 
 
@@ -68,17 +151,37 @@ def consumer_config(spec: ConsumerSpec) -> jsapi.ConsumerConfig:
 
 
 class Bus:
-    """A service's connection to the mesh. Create with `await Bus.connect(url, name)`."""
+    """A service's connection to the mesh. Create with `await Bus.connect(url, name)`.
 
-    def __init__(self, nc: NatsClient, service: str):
+    `replicas` is how many copies of each stream, KV bucket and object store `provision` asks
+    for: 3 on a 3-node cluster, 1 on a single server.
+    """
+
+    def __init__(self, nc: NatsClient, service: str, *, replicas: int = 1):
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
         self.service = service
+        self.replicas = replicas
         self._kv: dict[str, KeyValue] = {}
         self._kv_objects: ObjectStore | None = None
+        # Fast publishes whose stream ack is awaited in the background (replicated streams).
+        self._fast_js: JetStreamContext = nc.jetstream(
+            timeout=PUBLISH_TIMEOUT_S, publish_async_max_pending=1 << 16
+        )
+        self._unacked: deque[_Unacked] = deque()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._republishing: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, service: str, *, connect_timeout_s: float = 5.0) -> Bus:
+    async def connect(
+        cls,
+        url: str,
+        service: str,
+        *,
+        credentials: NatsCredentials | None = None,
+        replicas: int = 1,
+        connect_timeout_s: float = 5.0,
+    ) -> Bus:
         async def on_error(exc: Exception) -> None:
             log.warning("nats error", extra={"error": repr(exc)})
 
@@ -90,17 +193,13 @@ class Bus:
 
         nc = await nats.connect(
             nats_servers(url),
-            name=f"ripplemesh-{service}",
-            connect_timeout=connect_timeout_s,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25,
-            allow_reconnect=True,
+            **reconnecting_options(f"ripplemesh-{service}", connect_timeout_s=connect_timeout_s),
+            **(credentials.connect_options() if credentials else {}),
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
-            pending_size=64 * 1024 * 1024,
         )
-        return cls(nc, service)
+        return cls(nc, service, replicas=replicas)
 
     # ------------------------------------------------------------ provisioning
 
@@ -108,10 +207,29 @@ class Bus:
         self,
         streams: Iterable[StreamSpec] = STREAMS,
         buckets: Iterable[KvBucketSpec] = KV_BUCKETS,
+        *,
+        timeout_s: float = 60.0,
     ) -> None:
-        """Create or update every stream and KV bucket; safe to run from every service at once."""
+        """Create or update every stream and KV bucket; safe to run from every service at once.
+
+        A cluster's JetStream API can be slow to answer while services start together or a
+        leader is being elected: transient failures are retried for up to `timeout_s`.
+        """
+        streams, buckets = list(streams), list(buckets)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self._provision(streams, buckets)
+                return
+            except TRANSIENT_ERRORS as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("provisioning retried", extra={"error": repr(exc)})
+                await asyncio.sleep(0.5)
+
+    async def _provision(self, streams: list[StreamSpec], buckets: list[KvBucketSpec]) -> None:
         for spec in streams:
-            config = _stream_config(spec)
+            config = _stream_config(spec, self.replicas)
             try:
                 await self.js.add_stream(config)
             except BadRequestError:
@@ -119,6 +237,25 @@ class Bus:
                 await self.js.update_stream(config)
         for bucket in buckets:
             await self.key_value(bucket)
+        if self.replicas > 1:
+            names = [spec.name for spec in streams] + [f"KV_{bucket.bucket}" for bucket in buckets]
+            await self.wait_for_leaders(names)
+
+    async def wait_for_leaders(self, streams: Iterable[str], timeout_s: float = 30.0) -> None:
+        """Wait until each replicated stream has elected a leader: until then a publish to it
+        finds no responder. A service starts only once its streams can take its events."""
+        deadline = time.monotonic() + timeout_s
+        for name in streams:
+            while True:
+                try:
+                    info = await self.js.stream_info(name)
+                    if info.cluster is None or info.cluster.leader:
+                        break
+                except TRANSIENT_ERRORS:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stream {name} has no leader after {timeout_s:.0f}s")
+                await asyncio.sleep(0.1)
 
     async def key_value(self, bucket: KvBucketSpec) -> KeyValue:
         kv = self._kv.get(bucket.bucket)
@@ -132,6 +269,7 @@ class Bus:
                         description=bucket.description,
                         history=bucket.history,
                         ttl=bucket.ttl_s,
+                        replicas=self.replicas,
                     )
                 )
             self._kv[bucket.bucket] = kv
@@ -148,6 +286,7 @@ class Bus:
                     jsapi.ObjectStoreConfig(
                         description="KV caches in transit from a prefill to a decode worker.",
                         ttl=KV_OBJECTS_TTL_S,
+                        replicas=self.replicas,
                     ),
                 )
         return self._kv_objects
@@ -168,7 +307,8 @@ class Bus:
     async def publish(self, subject: str, event: Event, *, timeout_s: float = PUBLISH_TIMEOUT_S) -> None:
         """Publish to a stream and wait for its ack, inside a producer span.
 
-        ``Nats-Msg-Id`` is the event's id, so a retried publish is stored once.
+        ``Nats-Msg-Id`` is the event's id, so a retried publish is stored once; transient
+        failures (a node lost, a leader election) are retried for up to `PUBLISH_RETRY_S`.
         """
         with tracer().start_as_current_span(
             f"send {subject_family(subject)}",
@@ -181,24 +321,78 @@ class Bus:
             },
         ):
             headers = inject_headers({"Nats-Msg-Id": event.event_id})
-            await self.js.publish(subject, encode_event(event), timeout=timeout_s, headers=headers)
+            await publish_acked(self.js, subject, encode_event(event), headers, timeout_s=timeout_s)
 
     async def publish_fast(self, subject: str, event: Event) -> None:
         """Publish without waiting for the stream's ack (token chunks: many, small, ordered by seq).
 
         The subject is still captured by its stream; the per-request sequence number lets a
-        reader detect a gap and read the chunk back from the stream.
+        reader detect a gap and read the chunk back from the stream. On replicated streams the
+        ack is awaited in the background: a chunk the stream did not store (its leader was lost
+        and another not yet elected) is published again, acked, so that a reader who missed it
+        can still read it back.
         """
         headers = {"Nats-Msg-Id": event.event_id}
         span = trace.get_current_span()
         if span.get_span_context().is_valid:
             inject_headers(headers)
-        await self.nc.publish(subject, encode_event(event), headers=headers)
+        payload = encode_event(event)
+        if self.replicas == 1:
+            await self.nc.publish(subject, payload, headers=headers)
+            return
+        future = await self._fast_js.publish_async(subject, payload, headers=headers)
+        self._unacked.append(_Unacked(time.monotonic(), future, subject, payload, headers))
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_fast_acks(), name="fast-acks")
+
+    async def _sweep_fast_acks(self) -> None:
+        """Check the fast publishes' acks in send order; publish again what was not stored."""
+        while True:
+            await asyncio.sleep(FAST_ACK_WAIT_S / 4)
+            now = time.monotonic()
+            while self._unacked:
+                head = self._unacked[0]
+                if not head.future.done() and now - head.sent_at < FAST_ACK_WAIT_S:
+                    break  # the rest were sent later
+                self._unacked.popleft()
+                if head.future.done() and not head.future.cancelled() and head.future.exception() is None:
+                    continue
+                head.future.cancel()  # frees its slot among the pending publishes
+                task = asyncio.create_task(self._republish(head), name="fast-republish")
+                self._republishing.add(task)
+                task.add_done_callback(self._republishing.discard)
+
+    async def _republish(self, unacked: _Unacked) -> None:
+        try:
+            await publish_acked(
+                self.js, unacked.subject, unacked.payload, unacked.headers, retry_s=FAST_REPUBLISH_RETRY_S
+            )
+            log.info("fast publish stored on a retry", extra={"subject": unacked.subject})
+        except Exception as exc:
+            log.error("fast publish not stored", extra={"subject": unacked.subject, "error": repr(exc)})
 
     async def close(self, timeout_s: float = 5.0) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        if self._republishing:
+            await asyncio.wait(set(self._republishing), timeout=timeout_s)
+            for task in list(self._republishing):
+                task.cancel()
         if self.nc.is_closed:
             return
         try:
             await self.nc.drain()
         except Exception:  # a drain on a broken connection: close regardless
             await self.nc.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Unacked:
+    sent_at: float
+    future: asyncio.Future[jsapi.PubAck]
+    subject: str
+    payload: bytes
+    headers: dict[str, str]

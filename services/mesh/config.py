@@ -39,6 +39,9 @@ class TenantConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_burst: PositiveFloat = 40.0
     tokens_per_s: PositiveFloat = 200_000.0
     token_burst: PositiveFloat = 800_000.0
+    # The tenant's NATS password as a bcrypt hash (the tenant keeps the password). Without one,
+    # `ripplemesh up` generates a password and writes it to <data_dir>/credentials/.
+    nats_password_bcrypt: str | None = None
 
 
 _ADMISSION = AdmissionLimits()

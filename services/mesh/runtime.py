@@ -31,6 +31,7 @@ from schemas.subjects import ConsumerSpec
 from services.mesh.bus import Bus
 from services.mesh.config import MeshConfig
 from services.mesh.consumer import Consumer, Handler
+from services.mesh.nats_auth import NatsCredentials
 from services.mesh.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("ripplemesh")
@@ -80,6 +81,10 @@ class ServiceOptions:
     config: MeshConfig
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    # The services' NATS user (None: a server without authorization).
+    nats_credentials: NatsCredentials | None = None
+    # Copies of each stream and bucket: 3 on a 3-node cluster.
+    nats_replicas: int = 1
     # Service-specific settings (worker id, engine, GPU type...), from the command line.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -222,7 +227,12 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
         )
     )
     server_task = asyncio.create_task(server.serve(), name="http")
-    bus = await Bus.connect(options.nats_url, service.name)
+    bus = await Bus.connect(
+        options.nats_url,
+        service.name,
+        credentials=options.nats_credentials,
+        replicas=options.nats_replicas,
+    )
     await bus.provision()
     runtime = Runtime(service.name, options, bus)
     runtime._stop_requested = stop.set

@@ -5,15 +5,24 @@ Workers publish `TokenChunk`s (and a final `StreamFinished` or `StreamFailed`) t
 and `MeshClient` read them through this class, subscribed before the request is published.
 A chunk that arrives ahead of a missing one is held back; if the gap does not fill quickly the
 missing chunks are read back from the TOKENS stream, which keeps every chunk for a while.
+
+A reader whose connection moved to another node (a node lost) may have missed events with
+nothing after them to show a gap, the final one included: after a reconnect it reads back once
+from its next sequence number. Services read back through a JetStream consumer; a tenant's
+client, which has no JetStream API, passes `read_back` to ask ingress to publish the events
+again on the subscribed subject (`ReplayTokens`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -21,7 +30,15 @@ from nats.aio.subscription import Subscription
 from schemas.events import StreamFailed, StreamFinished, TokenChunk, TokenEvent
 from schemas.subjects import TOKENS
 
+log = logging.getLogger(__name__)
+
 GAP_WAIT_S = 0.5
+# A gap still open is read back again this often, until the idle timeout gives up on it.
+READ_BACK_EVERY_S = 2.0
+
+# Given the next sequence number wanted: the events it could read back at once (they are held
+# and yielded in order), or none when they will arrive on the subscription.
+ReadBack = Callable[[int], Awaitable[list[TokenEvent]]]
 _decoder: msgspec.json.Decoder[TokenEvent] = msgspec.json.Decoder(TokenEvent)  # type: ignore[arg-type]
 
 
@@ -37,15 +54,19 @@ class TokenStream:
         *,
         first_event_timeout_s: float,
         idle_timeout_s: float,
+        read_back: ReadBack | None = None,
     ):
         self._nc = nc
         self.subject = subject
         self._first_timeout = first_event_timeout_s
         self._idle_timeout = idle_timeout_s
+        self._read_back_from: ReadBack = read_back or self._read_back
         self._queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._sub: Subscription | None = None
+        self._reconnects = self._reconnect_count()
         self.next_seq = 0
         self.malformed = 0
+        self.read_backs = 0
 
     async def open(self) -> TokenStream:
         async def on_msg(msg: Msg) -> None:
@@ -76,28 +97,49 @@ class TokenStream:
             self.malformed += 1
             return None
 
+    def _reconnect_count(self) -> int:
+        return int(self._nc.stats.get("reconnects", 0))
+
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Yield events in order; ends after the final event; raises StreamTimeout when silent."""
         held: dict[int, TokenEvent] = {}
+        # When the current wait began (the idle timeout runs from here), and the next read-back.
+        waiting_since = time.monotonic()
+        read_back_at: float | None = None
         while True:
             if self.next_seq in held:
                 event = held.pop(self.next_seq)
             else:
+                now = time.monotonic()
                 timeout = self._first_timeout if self.next_seq == 0 else self._idle_timeout
-                wait = GAP_WAIT_S if held else timeout
+                if read_back_at is None and (held or self._reconnect_count() != self._reconnects):
+                    # A gap, or a reconnect that may have dropped events: read back if it lasts.
+                    read_back_at = now + GAP_WAIT_S
+                give_up_at = waiting_since + timeout
+                wake_at = min(give_up_at, read_back_at) if read_back_at is not None else give_up_at
                 try:
-                    msg = await asyncio.wait_for(self._queue.get(), timeout=wait)
+                    msg = await asyncio.wait_for(self._queue.get(), timeout=max(0.0, wake_at - now))
                 except TimeoutError:
-                    if held:
-                        for recovered in await self._read_back():
-                            if recovered.seq >= self.next_seq:
-                                held.setdefault(recovered.seq, recovered)
-                        if self.next_seq not in held:
-                            raise StreamTimeout(
-                                f"token {self.next_seq} of {self.subject} is missing"
-                            ) from None
-                        continue
-                    raise StreamTimeout(f"no token for {self.subject} within {wait:.0f}s") from None
+                    now = time.monotonic()
+                    if now >= give_up_at:
+                        missing = f"token {self.next_seq} of {self.subject} is missing"
+                        silent = f"no token for {self.subject} within {timeout:.0f}s"
+                        raise StreamTimeout(missing if held else silent) from None
+                    self._reconnects = self._reconnect_count()
+                    self.read_backs += 1
+                    failed = False
+                    try:
+                        recovered = await self._read_back_from(self.next_seq)
+                    except (nats.errors.Error, TimeoutError) as exc:
+                        # The stream may be electing a leader: try again a little later.
+                        log.info("read-back failed", extra={"subject": self.subject, "error": repr(exc)})
+                        recovered, failed = [], True
+                    for item in recovered:
+                        if item.seq >= self.next_seq:
+                            held.setdefault(item.seq, item)
+                    # Again while a gap stays open (or the read-back failed), until the timeout.
+                    read_back_at = time.monotonic() + READ_BACK_EVERY_S if held or failed else None
+                    continue
                 decoded = self._decode(msg)
                 if decoded is None or decoded.seq < self.next_seq:
                     continue  # malformed, or a duplicate of one already yielded
@@ -106,27 +148,37 @@ class TokenStream:
                     continue
                 event = decoded
             self.next_seq += 1
+            waiting_since, read_back_at = time.monotonic(), None
             yield event
             if isinstance(event, StreamFinished | StreamFailed):
                 return
 
-    async def _read_back(self) -> list[TokenEvent]:
-        """Every event of this request kept on the TOKENS stream, to fill a gap."""
-        js = self._nc.jetstream(timeout=5)
+    async def _read_back(self, from_seq: int) -> list[TokenEvent]:
+        """Every event of this request kept on the TOKENS stream, to fill a gap (a service's
+        reader: it needs the JetStream API)."""
         events: list[TokenEvent] = []
-        sub = await js.subscribe(self.subject, stream=TOKENS.name, ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except TimeoutError:
-                    return events
-                decoded = self._decode(msg)
-                if decoded is not None:
-                    events.append(decoded)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        for msg in await stored_messages(self._nc, self.subject):
+            decoded = self._decode(msg)
+            if decoded is not None:
+                events.append(decoded)
+        return events
+
+
+async def stored_messages(nc: NatsClient, subject: str, *, quiet_s: float = 0.5) -> list[Msg]:
+    """Every message of one request's token subject kept on the TOKENS stream, in stream order
+    (an ordered consumer: the JetStream API, which services have and tenants do not)."""
+    js = nc.jetstream(timeout=5)
+    messages: list[Msg] = []
+    sub = await js.subscribe(subject, stream=TOKENS.name, ordered_consumer=True)
+    try:
+        while True:
+            try:
+                messages.append(await sub.next_msg(timeout=quiet_s))
+            except TimeoutError:
+                return messages
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 def is_final(event: TokenEvent) -> bool:

@@ -26,6 +26,7 @@ from schemas.events import (
 )
 from schemas.subjects import ROUTER_CONSUMER, WORKERS, event_subject, work_subject
 from services.mesh.consumer import Delivery
+from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
 from services.mesh.resumption import first_seq
 from services.mesh.runtime import Runtime
@@ -53,6 +54,8 @@ PLACEMENTS = Counter("ripplemesh_router_placements_total", "Placements by mode."
 LIVE_WORKERS = Gauge("ripplemesh_router_live_workers", "Live workers in the router's view.")
 # At start-up workers may not have sent their first heartbeat yet: wait this long for one.
 WAIT_FOR_WORKERS_S = 5.0
+# While the view of the workers is stale (no heartbeat heard, WORKERS unreadable), up to this long.
+WAIT_FOR_STALE_VIEW_S = 20.0
 # Candidates whose cached prefix the decision span lists (the longest first).
 SPAN_KV_CANDIDATES = 16
 # The policy named on a decision that placed nothing (a Placement names its own).
@@ -120,6 +123,7 @@ class RouterService:
         self.predictions = reporting.Predictions()
         self.workflow_spend: WorkflowSpendView | None = None
         self.feedback: Feedback | None = None
+        self.workers_watch: HeartbeatWatch | None = None
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -158,46 +162,33 @@ class RouterService:
 
     async def _watch_workers(self) -> None:
         assert self.runtime is not None
-        kv = await self.runtime.bus.key_value(WORKERS)
-        while True:
-            watcher = await kv.watchall()
+        # Started again when it breaks or falls silent (its consumer lost with a NATS node).
+        self.workers_watch = HeartbeatWatch(await self.runtime.bus.key_value(WORKERS))
+        async for entry in self.workers_watch.updates():
+            if entry.value is None:
+                continue  # a delete marker without a value
+            if entry.operation in ("DEL", "PURGE"):
+                self.state.forget(entry.key)
+                if self.kv_sync is not None:
+                    self.kv_sync.forget(entry.key)
+                continue
             try:
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=5.0)
-                    except TimeoutError:
-                        continue
-                    if entry is None or entry.value is None:
-                        continue  # end of the initial values, or a delete marker
-                    if entry.operation in ("DEL", "PURGE"):
-                        self.state.forget(entry.key)
-                        if self.kv_sync is not None:
-                            self.kv_sync.forget(entry.key)
-                        continue
-                    try:
-                        worker = _worker_decoder.decode(entry.value)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        log.warning("bad worker state ignored", extra={"key": entry.key, "error": str(exc)})
-                        continue
-                    self.state.observe(view_of(worker, self._shapes))
-                    if self.kv_sync is not None:
-                        self.kv_sync.observe(worker)
-                    LIVE_WORKERS.set(len(live_workers_any(self.state)))
-                    self._workers_changed.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the watch broke (reconnect): start a new one
-                log.warning("worker watch restarted", extra={"error": repr(exc)})
-                await asyncio.sleep(0.5)
-            finally:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
+                worker = _worker_decoder.decode(entry.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("bad worker state ignored", extra={"key": entry.key, "error": str(exc)})
+                continue
+            self.state.observe(view_of(worker, self._shapes))
+            if self.kv_sync is not None:
+                self.kv_sync.observe(worker)
+            LIVE_WORKERS.set(len(live_workers_any(self.state)))
+            self._workers_changed.set()
 
     async def _on_admitted(self, event: RequestAdmitted, delivery: Delivery) -> None:
         assert self.runtime is not None
         request = event.request
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + WAIT_FOR_WORKERS_S
+        stale_give_up_at = loop.time() + WAIT_FOR_STALE_VIEW_S
         workflow_id = request.workflow.workflow_id if request.workflow is not None else None
         spent = self.workflow_spend.spent(workflow_id) if self.workflow_spend is not None else 0.0
         route = route_request(request, spent)
@@ -215,6 +206,10 @@ class RouterService:
                 if not (isinstance(decision, NoPlacement) and decision.reason == "no_workers"):
                     break
                 remaining = give_up_at - loop.time()
+                if remaining <= 0 and self.workers_watch is not None and self.workers_watch.stale:
+                    # No heartbeat from anyone and WORKERS unreadable (a NATS node lost, its
+                    # stream electing a leader): the fleet is not known dead; wait for the view.
+                    remaining = stale_give_up_at - loop.time()
                 if remaining <= 0:
                     break
                 self._workers_changed.clear()

@@ -184,8 +184,9 @@ PREFILL_WORKER = textwrap.dedent(
     from schemas.events import InferenceRequest
     from services.engines.hf.engine import HfEngine
     from services.mesh.bus import Bus
+    from services.mesh.nats_auth import load_credentials
 
-    async def main(url, raw):
+    async def main(url, raw, credentials):
         request = msgspec.json.decode(raw, type=InferenceRequest)
         engine = HfEngine(model=request.model, block_size=request.block_size)
         await engine.start()
@@ -193,19 +194,21 @@ PREFILL_WORKER = textwrap.dedent(
         payload = await engine.export_kv(request.request_id)
         engine.release(request.request_id)
         await engine.stop()
-        bus = await Bus.connect(url, "hf-prefill-test")
+        bus = await Bus.connect(url, "hf-prefill-test", credentials=load_credentials(credentials))
         name = request.request_id + "-prefill-proc"
         await (await bus.kv_objects()).put(name, payload)
         await bus.close()
         print(json.dumps({"first_token_id": result.first_token_id, "object_name": name,
                           "num_tokens": result.kv.num_tokens, "kv_bytes": len(payload)}))
 
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
     """
 )
 
 
-async def test_kv_hand_off_between_processes_over_nats_object_store(bus, nats_server) -> None:
+async def test_kv_hand_off_between_processes_over_nats_object_store(
+    bus, nats_server, nats_credentials
+) -> None:
     rng = random.Random(11)
     request = make_request("disagg-1", random_tokens(rng, 300), max_tokens=24)
 
@@ -217,6 +220,7 @@ async def test_kv_hand_off_between_processes_over_nats_object_store(bus, nats_se
         PREFILL_WORKER,
         nats_server.url,
         msgspec.json.encode(request).decode(),
+        str(nats_credentials["services"]),
         cwd=REPO,
         env=env,
         stdout=asyncio.subprocess.PIPE,
