@@ -20,6 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -109,13 +110,18 @@ class Mesh:
             return self.nats_replicas
         return min(3, self.nats_cluster) if self.nats_url is None else 1
 
+    @property
+    def servers(self) -> list[str]:
+        """The NATS server URLs, as `nats.connect` takes them."""
+        return nats_servers(self.url)
+
     def credentials(self, tenant: str) -> NatsCredentials:
         """A tenant's NATS credentials (a mesh whose NATS has users and made this tenant's password)."""
         if self.auth is None:
             raise RuntimeError("this mesh's NATS has no users")
         return self.auth.credentials(tenant)
 
-    def connect_options(self) -> dict[str, object]:
+    def connect_options(self) -> dict[str, Any]:
         """`nats.connect` keyword arguments for the services' user (empty without authorization)."""
         creds = self.service_credentials or (self.auth.service if self.auth else None)
         return creds.connect_options() if creds else {}

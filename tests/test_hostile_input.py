@@ -163,7 +163,7 @@ async def _dead_letters(js: Any, stream: str, since_seq: int) -> list[DeadLetter
 
 
 async def _publish_and_check(mesh: Mesh, batch: list[tuple[Target, bytes]]) -> None:
-    nc = await nats.connect(mesh.url, **mesh.connect_options())
+    nc = await nats.connect(mesh.servers, **mesh.connect_options())
     try:
         js = nc.jetstream()
         dlq_start = (await js.stream_info(DLQ.name)).state.last_seq

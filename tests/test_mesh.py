@@ -130,7 +130,7 @@ async def test_quota_rejection_is_429_with_retry_after(mesh: Mesh) -> None:
 async def test_malformed_nats_submission_is_dead_lettered_and_serving_goes_on(mesh: Mesh) -> None:
     import nats
 
-    nc = await nats.connect(mesh.url, **mesh.connect_options())
+    nc = await nats.connect(mesh.servers, **mesh.connect_options())
     try:
         js = nc.jetstream()
         marker = uuid.uuid4().hex
