@@ -430,6 +430,27 @@ def bench_router(workers: int, blocks: int, count: int, seed: int) -> None:
     run_router_bench(workers=workers, blocks=blocks, requests=count, seed=seed, console=Console())
 
 
+@bench.command("migration")
+@click.option("--rounds", default=5, show_default=True, help="Workers killed (or drained), one per round.")
+@click.option("--streams", default=8, show_default=True, help="Concurrent streaming requests per round.")
+@click.option("--tokens", default=400, show_default=True, help="Tokens per request.")
+@click.option("--decode", default=2, show_default=True, help="Decode workers (one prefill worker).")
+@click.option("--mode", type=click.Choice(["kill", "drain"]), default="kill", show_default=True)
+def bench_migration(rounds: int, streams: int, tokens: int, decode: int, mode: str) -> None:
+    """Mid-stream migration: streams completed across a worker's SIGKILL (or drain) and the
+    latency the failure adds to them, p50/p99."""
+    from ripplemesh.bench.migration import run_migration_bench
+
+    run_migration_bench(
+        rounds=rounds,
+        streams=streams,
+        tokens=tokens,
+        decode=decode,
+        mode=mode,  # type: ignore[arg-type]
+        console=Console(),
+    )
+
+
 @bench.command("ledger")
 @click.option("--events", default=20_000, show_default=True, help="Lifecycle events to record.")
 @click.option("--batch", default=256, show_default=True, help="Events per transaction (group commit).")
