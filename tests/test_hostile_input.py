@@ -304,7 +304,7 @@ def test_hostile_http_bodies_get_a_4xx_with_a_message(
     if header is not None:
         # Raw bytes on the wire (latin-1), including ones that are not valid UTF-8.
         name, value = header
-        headers[name] = value.encode("latin-1", "replace")
+        headers[name] = value.strip(" \t").encode("latin-1", "replace")  # h11: no edge whitespace
     response = httpx.post(f"{_api(fuzz_mesh)}/{route}", content=body, headers=headers, timeout=30)
     _assert_clear_answer(response.status_code, response.content)
 

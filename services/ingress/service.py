@@ -143,14 +143,15 @@ def _ripple_headers(request: Request) -> tuple[PriorityClass, int, int | None, W
         ) from None
     workflow = None
     workflow_id = headers.get("x-ripple-workflow-id")
+    step = integer("x-ripple-workflow-step")
+    steps = integer("x-ripple-workflow-steps")
+    if workflow_id is None and (step is not None or steps is not None):
+        name = "x-ripple-workflow-step" if step is not None else "x-ripple-workflow-steps"
+        raise InvalidRequest(f"{name} needs x-ripple-workflow-id", param=name)
     if workflow_id is not None:
         try:
             workflow = msgspec.convert(
-                {
-                    "workflow_id": workflow_id,
-                    "step": integer("x-ripple-workflow-step") or 1,
-                    "steps": integer("x-ripple-workflow-steps"),
-                },
+                {"workflow_id": workflow_id, "step": step or 1, "steps": steps},
                 WorkflowRef,
             )
         except msgspec.ValidationError:
@@ -355,7 +356,10 @@ class IngressService:
             if api == "chat":
                 chat = msgspec.json.decode(raw, type=ChatCompletionBody)
                 prompt, messages = None, chat.messages
-                max_tokens = chat.max_completion_tokens or chat.max_tokens or 256
+                # `is not None`, not `or`: an explicit 0 is refused by prepare(), not replaced.
+                max_tokens = next(
+                    (n for n in (chat.max_completion_tokens, chat.max_tokens) if n is not None), 256
+                )
                 model, temperature, stream, options = (
                     chat.model,
                     chat.temperature,
