@@ -457,7 +457,7 @@ async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await host.stop()
+        await asyncio.wait_for(host.stop(), 15)
         await runtime.cancel_tasks()
         await bus.close()
 
