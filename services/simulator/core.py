@@ -327,7 +327,7 @@ class Simulator:
                 gpu_type=worker.gpu_type,
                 price_per_hour=self.prices.get(worker.gpu_type, 0.0) * worker.tensor_parallel,
                 speed=speed,
-                kv_blocks_free=blocks.total_blocks - blocks.used_blocks - len(blocks._unreferenced),
+                kv_blocks_free=blocks.free_blocks,
                 queued_tokens=self._queued_tokens(worker, now),
             )
         )

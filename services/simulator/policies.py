@@ -39,8 +39,10 @@ class FleetPrefixView:
         n = len(block_hashes)
         if worker is None or n == 0:
             return 0
-        worker.advance(self.now)  # apply its timed-ahead steps (their blocks may evict cached ones)
         cached = worker.blocks._refs
+        if block_hashes[0] not in cached:
+            return 0  # (steps timed ahead only ever evict blocks: no need to apply them first)
+        worker.advance(self.now)  # apply its timed-ahead steps (their blocks may evict cached ones)
         if block_hashes[0] not in cached:
             return 0
         if block_hashes[n - 1] in cached:

@@ -45,6 +45,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from services.engines.sim.blocks import BlockManager
 from services.engines.sim.engine import SimEngine
 from services.engines.sim.perf import PerfModel
@@ -56,6 +58,8 @@ WAITING, RUNNING, IMPORTING, IDLE, READY, DONE = range(6)
 # before a chunk's computed end.
 CHUNK_MAX = 100_000
 CHUNK_GUARD = 1e-9
+# From this many steps on, `advance` computes them as arrays: fewer Python operations per step.
+VECTOR_STEPS = 24
 
 # What a step's end hands on, in the step's batch order (the simulator acts on them after the
 # worker has scheduled its next step, as the engine's consumers do).
@@ -143,7 +147,11 @@ class StepCost:
         "decode_bytes_slope",
         "decode_flops",
         "decode_flops_slope",
+        "flops_per_pair",
+        "flops_per_part",
+        "flops_per_token",
         "flops_rate",
+        "kv_per_token",
         "overhead",
         "perf",
         "weights",
@@ -166,6 +174,12 @@ class StepCost:
         self.decode_bytes, self.decode_bytes_slope = b0, b1 - b0
         self.alpha = f1 / self.flops_rate + b0 / self.bytes_rate
         self.beta = (f2 - f1) / self.flops_rate + (b1 - b0) / self.bytes_rate
+        # `flops` and `kv_bytes` are linear: their coefficients, read off at unit arguments (exact:
+        # the model's own products), give the same sums term for term without the calls.
+        self.flops_per_token = perf.flops(1, 0, 0.0)
+        self.flops_per_part = perf.flops(0, 1, 0.0)
+        self.flops_per_pair = perf.flops(0, 0, 1.0)
+        self.kv_per_token = perf.kv_bytes(1, 0)
 
     def decodes_only(self, decodes: int, decode_context: int) -> tuple[float, float, float]:
         """`__call__` for a step of decodes alone: (step seconds, share at context 0, slope)."""
@@ -186,8 +200,9 @@ class StepCost:
     ) -> tuple[float, list[float], float, float]:
         """(step seconds, each part's share, a decode's share at context 0, the slope of a
         decode's share per context token)."""
-        perf = self.perf
         flops_rate, bytes_rate = self.flops_rate, self.bytes_rate
+        per_token, per_part, per_pair = self.flops_per_token, self.flops_per_part, self.flops_per_pair
+        kv = self.kv_per_token
         new = decodes
         read = decode_context
         pairs = float(decode_context + decodes)
@@ -199,12 +214,12 @@ class StepCost:
             read += c
             pairs += p
         count = len(parts) + decodes
-        flops = perf.flops(new, count, pairs)
-        nbytes = perf.kv_bytes(read, new)
+        flops = per_token * new + per_part * count + per_pair * pairs
+        nbytes = (read + new) * kv
         busy = max(flops / flops_rate, (self.weights + nbytes) / bytes_rate)
         wt = self.weights / bytes_rate / (new or 1)
         own = [
-            perf.flops(n, 1, p) / flops_rate + perf.kv_bytes(c, n) / bytes_rate + wt * n
+            (per_token * n + per_part + per_pair * p) / flops_rate + (c + n) * kv / bytes_rate + wt * n
             for (n, c), p in zip(parts, part_pairs, strict=True)
         ]
         decode_own0 = self.alpha + wt
@@ -254,7 +269,9 @@ class SimWorker:
         self.ready: deque[Seq] = deque()
         self.running: dict[Seq, None] = {}  # admission order
         self.prefilling: dict[Seq, None] = {}  # running, not steady decodes, admission order
-        self.groups: list[dict[Seq, None]] = [{} for _ in range(self.block_size)]
+        # Steady decodes by the residue of their step's token position that starts a KV block
+        # (seq -> its id in the block manager).
+        self.groups: list[dict[Seq, str]] = [{} for _ in range(self.block_size)]
         self.finish_at: dict[int, list[Seq]] = {}
         self._finish_keys: list[int] = []  # a heap of finish_at's keys (stale ones popped lazily)
         self.decoders = 0
@@ -411,7 +428,7 @@ class SimWorker:
         seq.k0 = k
         seq.base = base = seq.computed - k
         seq.a0, seq.a1, seq.a2 = self.acc0, self.acc1, self.acc2
-        self.groups[(-base) % self.block_size][seq] = None
+        self.groups[(-base) % self.block_size][seq] = seq.rid
         self.decoders += 1
         self.context_base += base
         # Its last step: the one after which `generated` reaches max_tokens.
@@ -503,9 +520,7 @@ class SimWorker:
             group = self.groups[self.k % size]
             if group:
                 if len(group) <= blocks.available_blocks:
-                    target = self.k + 1
-                    for seq in group:
-                        blocks.grow(seq.rid, seq.base + target)
+                    blocks.grow_each_by_one(group.values())
                 else:
                     preempted = self._grow_exact()
             budget -= self.decoders
@@ -639,6 +654,15 @@ class SimWorker:
         left = self._chunk_left
         if left <= 0 or self._chunk_step_end > now:
             return
+        # Steps only lengthen as contexts grow, so this many cover every step ending by `now`.
+        bound = (
+            left
+            if now == math.inf
+            else min(left, int((now - self._chunk_step_end) / self._chunk_step[2]) + 2)
+        )
+        if bound >= VECTOR_STEPS:
+            self._advance_arrays(now, bound)
+            return
         cost = self.cost
         overhead, alpha, beta, weights_s = cost.overhead, cost.alpha, cost.beta, cost.weights_s
         flops_rate, bytes_rate = cost.flops_rate, cost.bytes_rate
@@ -648,7 +672,7 @@ class SimWorker:
         base = self.context_base
         groups = self.groups
         size = self.block_size
-        grow = self.blocks.grow
+        grow_each_by_one = self.blocks.grow_each_by_one
         k = self.k
         acc0, acc1, acc2 = self.acc0, self.acc1, self.acc2
         busy_total = self.busy_seconds  # summed step by step, in the order `end_step` would
@@ -666,9 +690,7 @@ class SimWorker:
             # The next step starts: the blocks its tokens cross into, and its time and shares.
             group = groups[k % size]
             if group:
-                target = k + 1
-                for seq in group:
-                    grow(seq.rid, seq.base + target)
+                grow_each_by_one(group.values())
             context = base + decodes * k
             compute = (flops0 + flops_slope * context) / flops_rate
             memory = weights_s + (bytes0 + bytes_slope * context) / bytes_rate
@@ -686,6 +708,61 @@ class SimWorker:
         self._chunk_left = left
         self._chunk_step_end = end
         self._chunk_step = (d0, d1, seconds)
+
+    def _advance_arrays(self, now: float, bound: int) -> None:
+        """`advance` for many steps at once: the loop's expressions on arrays of the next `bound`
+        steps (element by element the same IEEE operations, and running sums taken in order by
+        `cumsum`), so the result is the loop's, bit for bit (tested)."""
+        cost = self.cost
+        decodes = self.decoders
+        k0 = self.k
+        ks = np.arange(k0 + 1, k0 + bound + 1, dtype=np.int64)  # the steps that start
+        context = self.context_base + decodes * ks
+        compute = (decodes * cost.decode_flops + cost.decode_flops_slope * context) / cost.flops_rate
+        memory = (
+            cost.weights_s
+            + (decodes * cost.decode_bytes + cost.decode_bytes_slope * context) / cost.bytes_rate
+        )
+        busy = np.maximum(compute, memory)
+        scale = busy / (decodes * cost.alpha + cost.weights_s + cost.beta * context)
+        seconds = cost.overhead + busy
+        d0 = cost.overhead / decodes + (cost.alpha + cost.weights_s / decodes) * scale
+        d1 = cost.beta * scale
+        ends = np.empty(bound + 1)
+        ends[0] = self._chunk_step_end
+        ends[1:] = seconds
+        np.cumsum(ends, out=ends)
+        applied = min(int(np.searchsorted(ends, now, side="right")), bound)
+        last = applied - 1
+        d0_now, d1_now, seconds_now = self._chunk_step
+        self.acc0 = _running_sum(self.acc0, d0_now, d0[:last])
+        self.acc1 = _running_sum(self.acc1, d1_now, d1[:last])
+        self.acc2 = _running_sum(self.acc2, d1_now * k0, d1[:last] * ks[:last])
+        self.busy_seconds = _running_sum(self.busy_seconds, seconds_now, seconds[:last])
+        # The blocks the started steps' tokens cross into.
+        groups = self.groups
+        size = self.block_size
+        grown: list[str] = []
+        if applied < size:
+            for k in range(k0 + 1, k0 + applied + 1):
+                group = groups[k % size]
+                if group:
+                    grown.extend(group.values())
+        else:
+            cycles, extra = divmod(applied, size)
+            for residue, group in enumerate(groups):
+                if group:
+                    grown.extend(list(group.values()) * (cycles + ((residue - k0 - 1) % size < extra)))
+        if grown:
+            self.blocks.grow_each_by_one(grown)
+        self.k = k0 + applied
+        self.steps += applied
+        self.generated_tokens += applied * decodes
+        self._chunk_left -= applied
+        self._chunk_step_end = float(ends[applied])
+        self._chunk_step = (float(d0[last]), float(d1[last]), float(seconds[last]))
+        if applied == bound and self._chunk_left > 0:
+            self.advance(now)
 
     def chunk_due(self, now: float) -> float | None:
         """At the chunk's wake-up: apply its steps; the exact end of its last step if that is
@@ -796,6 +873,15 @@ class SimWorker:
         if seq.dec:
             extra = (self.acc0 - seq.a0) + seq.base * (self.acc1 - seq.a1) + (self.acc2 - seq.a2)
         return seq.prefill_s + seq.decode_s + extra
+
+
+def _running_sum(total: float, first: float, rest: np.ndarray) -> float:
+    """total + first + rest[0] + rest[1] + ..., added in that order (as a loop would)."""
+    terms = np.empty(len(rest) + 2)
+    terms[0] = total
+    terms[1] = first
+    terms[2:] = rest
+    return float(np.cumsum(terms)[-1])
 
 
 def _order_of(seq: Seq) -> int:

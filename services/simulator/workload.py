@@ -465,19 +465,33 @@ class _Chain:
     def append(self, segment: int, length: int) -> None:
         offset = 0
         size = self.size
-        while offset < length:
-            used = self.tokens % size
-            take = min(size - used, length - offset)
-            self.pieces.append((segment, offset, offset + take))
-            offset += take
-            self.tokens += take
-            if self.tokens % size == 0:
-                h = self.parent
-                for seg, start, end in self.pieces:
-                    h = mix64(h ^ seg ^ (start << 21) ^ (end << 42))
-                self.parent = h >> 1
-                self.hashes.append(self.parent)
-                self.pieces = []
+        if length <= 0:
+            return
+        if self.tokens % size:  # first, the rest of a partly filled block
+            offset = min(size - self.tokens % size, length)
+            self._piece(segment, 0, offset)
+        # Whole blocks of this segment: one piece each.
+        parent = self.parent
+        hashes = self.hashes
+        whole = offset + (length - offset) // size * size
+        for start in range(offset, whole, size):
+            parent = mix64(parent ^ segment ^ (start << 21) ^ ((start + size) << 42)) >> 1
+            hashes.append(parent)
+        self.parent = parent
+        self.tokens += whole - offset
+        if whole < length:
+            self._piece(segment, whole, length)
+
+    def _piece(self, segment: int, start: int, end: int) -> None:
+        self.pieces.append((segment, start, end))
+        self.tokens += end - start
+        if self.tokens % self.size == 0:
+            h = self.parent
+            for seg, first, last in self.pieces:
+                h = mix64(h ^ seg ^ (first << 21) ^ (last << 42))
+            self.parent = h >> 1
+            self.hashes.append(self.parent)
+            self.pieces = []
 
     def copy(self) -> _Chain:
         other = _Chain(self.parent, self.size)

@@ -8,21 +8,45 @@ goes out; a block computed while an equal one is already cached is dropped for t
 When a sequence ends its cached blocks stay, unreferenced, in LRU order, and are evicted ("removed")
 only when an allocation needs the space. Sequences grow block by block (`grow`); when the cache is
 full the engine preempts one.
+
+The fleet simulator drives a thousand of these, so the per-block work (pinning a matched prefix,
+storing computed blocks, releasing, evicting) runs as bulk operations in C wherever the blocks
+involved are distinct (always, for chained hashes), and block by block otherwise; and the LRU
+order is a plain list of hashes in release order, where a block pinned again leaves its entry
+behind as stale (counted per hash, skipped when reached, swept when they pile up), which costs
+a third of an ordered dict's memory per cached block. tests/engines/test_sim.py holds the state
+and events against a block-by-block model of the rules.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import compress, repeat, takewhile
+from operator import add, is_not, not_, sub
 
 from services.engines.base import KvBlockEvent
+
+_is_count = partial(is_not, None)  # a hash's entry in `_refs` (None: not cached)
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run a lazy `map` of calls to the end, in C."""
+    deque(calls, maxlen=0)
 
 
 @dataclass(slots=True)
 class _Holding:
     shared: list[int] = field(default_factory=list)  # hashes pinned in the cache, in block order
     private: int = 0  # blocks this sequence alone holds
-    pending: dict[int, int] = field(default_factory=dict)  # block index -> hash, once computed
+    # Full prompt blocks held privately until their tokens are computed: `pending[i]` is block
+    # `base + i`'s hash; blocks before `computed_to` have joined `shared`.
+    pending: Sequence[int] = ()
+    base: int = 0
+    computed_to: int = 0
+    distinct: bool = True  # no hash twice in `shared` (always so for chained hashes)
 
     @property
     def blocks(self) -> int:
@@ -30,6 +54,9 @@ class _Holding:
 
 
 class BlockManager:
+    # Slack before the LRU list drops its consumed head and its stale entries (amortised O(1)).
+    LRU_SLACK = 1024
+
     def __init__(self, total_blocks: int, block_size: int):
         if total_blocks < 1:
             raise ValueError("a KV cache needs at least one block")
@@ -38,8 +65,14 @@ class BlockManager:
         self.total_blocks = total_blocks
         self.block_size = block_size
         self._free = total_blocks
-        self._refs: dict[int, int] = {}
-        self._unreferenced: OrderedDict[int, None] = OrderedDict()
+        self._refs: dict[int, int] = {}  # cached block hash -> sequences holding it (0: evictable)
+        # The evictable blocks in LRU order: `_lru[_lru_head:]`, by release, minus stale entries
+        # (`_stale[h]`: how many of h's entries there no longer count, because h was released
+        # again later or is held again now).
+        self._lru: list[int] = []
+        self._lru_head = 0
+        self._stale: dict[int, int] = {}
+        self._evictable = 0
         self._holdings: dict[str, _Holding] = {}
         self._events: list[KvBlockEvent] = []
 
@@ -48,16 +81,23 @@ class BlockManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def cached_prefix_blocks(self, block_hashes: list[int]) -> int:
-        matched = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._refs:
-                break
-            matched += 1
-        return matched
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        return len(list(takewhile(self._refs.__contains__, block_hashes)))
 
     def cached_hashes(self) -> list[int]:
         return list(self._refs)
+
+    def evictable_hashes(self) -> list[int]:
+        """The cached blocks no sequence holds, in eviction order (least recently released first)."""
+        stale = dict(self._stale)
+        order: list[int] = []
+        for block_hash in self._lru[self._lru_head :]:
+            entries = stale.get(block_hash)
+            if entries:
+                stale[block_hash] = entries - 1
+            else:
+                order.append(block_hash)
+        return order
 
     def drain_events(self) -> list[KvBlockEvent]:
         events, self._events = self._events, []
@@ -73,7 +113,12 @@ class BlockManager:
     @property
     def used_blocks(self) -> int:
         """Blocks some sequence holds (cached ones included)."""
-        return self.total_blocks - self._free - len(self._unreferenced)
+        return self.total_blocks - self._free - self._evictable
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks neither held nor cached."""
+        return self._free
 
     @property
     def cached_blocks(self) -> int:
@@ -83,11 +128,11 @@ class BlockManager:
     @property
     def available_blocks(self) -> int:
         """Free blocks plus evictable (cached, unreferenced) ones."""
-        return self._free + len(self._unreferenced)
+        return self._free + self._evictable
 
     # ------------------------------------------------------------ changes
 
-    def allocate(self, seq_id: str, block_hashes: list[int], tokens: int) -> int | None:
+    def allocate(self, seq_id: str, block_hashes: Sequence[int], tokens: int) -> int | None:
         """Blocks for a sequence's first `tokens` tokens, reusing the cached prefix of `block_hashes`.
 
         Returns how many leading blocks were found cached (their tokens need no computing), or
@@ -95,53 +140,88 @@ class BlockManager:
         """
         if seq_id in self._holdings:
             raise ValueError(f"sequence {seq_id} already holds blocks")
-        matched = self.cached_prefix_blocks(block_hashes)
+        refs = self._refs
+        # The cached prefix's reference counts (its length: cached_prefix_blocks), in one pass.
+        counts = list(takewhile(_is_count, map(refs.get, block_hashes)))
+        matched = len(counts)
         needed = max(self.blocks_for(tokens), matched)
         new_blocks = needed - matched
+        prefix = list(block_hashes[:matched])
         # Reusing a cached-but-unreferenced block takes it off the evictable list.
-        reused_unreferenced = sum(1 for h in block_hashes[:matched] if self._refs[h] == 0)
+        reused_unreferenced = counts.count(0)
         if new_blocks > self.available_blocks - reused_unreferenced:
             return None
-        holding = _Holding()
-        for block_hash in block_hashes[:matched]:
-            self._pin(block_hash)
-            holding.shared.append(block_hash)
+        distinct = len(set(prefix)) == matched
+        if distinct:
+            refs.update(zip(prefix, map(add, counts, repeat(1)), strict=True))
+            if reused_unreferenced:
+                revived = list(compress(prefix, map(not_, counts)))
+                stale = self._stale
+                entries = list(map(add, map(stale.get, revived, repeat(0)), repeat(1)))
+                stale.update(zip(revived, entries, strict=True))
+                self._evictable -= reused_unreferenced
+                self._sweep()
+        else:
+            for block_hash in prefix:
+                self._pin(block_hash)
         self._take(new_blocks)
-        holding.private = new_blocks
-        holding.pending = {i: block_hashes[i] for i in range(matched, min(len(block_hashes), needed))}
-        self._holdings[seq_id] = holding
+        end = min(len(block_hashes), needed)
+        self._holdings[seq_id] = _Holding(
+            prefix, new_blocks, block_hashes[matched:end] if end > matched else (), matched, matched, distinct
+        )
         return matched
 
     def grow(self, seq_id: str, tokens: int) -> bool:
         """Make the sequence's blocks hold `tokens` tokens; False, changing nothing, when full."""
         holding = self._holdings[seq_id]
-        more = self.blocks_for(tokens) - holding.blocks
+        more = -(-tokens // self.block_size) - len(holding.shared) - holding.private
         if more <= 0:
             return True
-        if more > self.available_blocks:
+        if more > self._free + self._evictable:
             return False
         self._take(more)
         holding.private += more
         return True
 
+    def grow_each_by_one(self, seq_ids: Collection[str]) -> None:
+        """`grow` for sequences whose next token starts a new block, all at once: one more block
+        each, the evictions taken together (the caller knows that they fit)."""
+        if len(seq_ids) > self._free + self._evictable:
+            raise RuntimeError(f"{len(seq_ids)} blocks asked for, {self.available_blocks} available")
+        holdings = self._holdings
+        for seq_id in seq_ids:
+            holdings[seq_id].private += 1
+        self._take(len(seq_ids))
+
     def mark_computed(self, seq_id: str, tokens: int) -> None:
         """The sequence's first `tokens` tokens have their KV: full hashed blocks join the cache."""
         holding = self._holdings.get(seq_id)
-        if holding is None or not holding.pending:
+        if holding is None:
             return
-        full = tokens // self.block_size
-        stored: list[int] = []
-        for index in sorted(i for i in holding.pending if i < full):
-            block_hash = holding.pending.pop(index)
-            holding.private -= 1
-            holding.shared.append(block_hash)
-            if block_hash in self._refs:
-                # Computed while an equal block was cached: share that one, free ours.
-                self._pin(block_hash)
-                self._free += 1
-            else:
-                self._refs[block_hash] = 1
-                stored.append(block_hash)
+        start = holding.computed_to
+        stop = min(tokens // self.block_size, holding.base + len(holding.pending))
+        if stop <= start:
+            return
+        new = list(holding.pending[start - holding.base : stop - holding.base])
+        holding.computed_to = stop
+        holding.private -= stop - start
+        holding.shared.extend(new)
+        refs = self._refs
+        fresh = dict.fromkeys(new, 1)
+        if len(fresh) == len(new) and refs.keys().isdisjoint(fresh):
+            refs.update(fresh)
+            stored = new
+        else:
+            holding.distinct = False
+            stored = []
+            for block_hash in new:
+                if block_hash in refs:
+                    # Computed while an equal block was cached: share that one, free ours.
+                    self._pin(block_hash)
+                    self._free += 1
+                else:
+                    refs[block_hash] = 1
+                    stored.append(block_hash)
         if stored:
             self._events.append(KvBlockEvent("stored", tuple(stored)))
 
@@ -149,25 +229,86 @@ class BlockManager:
         holding = self._holdings.pop(seq_id, None)
         if holding is None:
             return
-        # Deepest blocks first, so eviction takes a chain's tail before its shared head.
-        for block_hash in reversed(holding.shared):
-            self._refs[block_hash] -= 1
-            if self._refs[block_hash] == 0:
-                self._unreferenced[block_hash] = None
+        shared = holding.shared
+        if shared:
+            refs = self._refs
+            # Deepest blocks first, so eviction takes a chain's tail before its shared head.
+            deepest_first = shared[::-1]
+            counts = list(map(refs.__getitem__, deepest_first))
+            if counts.count(1) == len(counts):  # held by this sequence alone (so all distinct)
+                refs.update(zip(deepest_first, repeat(0)))
+                released = deepest_first
+            elif holding.distinct:
+                left = list(map(sub, counts, repeat(1)))
+                refs.update(zip(deepest_first, left, strict=True))
+                released = list(compress(deepest_first, map(not_, left)))
+            else:
+                released = []
+                for block_hash in deepest_first:
+                    refs[block_hash] -= 1
+                    if refs[block_hash] == 0:
+                        released.append(block_hash)
+            self._lru.extend(released)
+            self._evictable += len(released)
         self._free += holding.private
 
     def _pin(self, block_hash: int) -> None:
         if self._refs[block_hash] == 0:
-            del self._unreferenced[block_hash]
+            self._stale[block_hash] = self._stale.get(block_hash, 0) + 1
+            self._evictable -= 1
+            self._sweep()
         self._refs[block_hash] += 1
 
     def _take(self, blocks: int) -> None:
-        evicted: list[int] = []
-        while self._free < blocks:
-            block_hash, _ = self._unreferenced.popitem(last=False)
-            del self._refs[block_hash]
-            evicted.append(block_hash)
-            self._free += 1
-        self._free -= blocks
-        if evicted:
+        short = blocks - self._free
+        if short > 0:
+            evicted = self._evict(short)
+            _consume(map(self._refs.__delitem__, evicted))
+            self._free += short
             self._events.append(KvBlockEvent("removed", tuple(evicted)))
+        self._free -= blocks
+
+    def _evict(self, count: int) -> list[int]:
+        """Take the `count` least recently released evictable blocks off the LRU list."""
+        if count > self._evictable:
+            raise RuntimeError(f"{count} blocks to evict, {self._evictable} evictable")
+        lru, head, stale = self._lru, self._lru_head, self._stale
+        evicted = lru[head : head + count]
+        if not stale or stale.keys().isdisjoint(evicted):  # no stale entry among them
+            head += count
+        else:
+            evicted = []
+            while len(evicted) < count:
+                block_hash = lru[head]
+                head += 1
+                entries = stale.get(block_hash)
+                if entries is None:
+                    evicted.append(block_hash)
+                elif entries == 1:
+                    del stale[block_hash]
+                else:
+                    stale[block_hash] = entries - 1
+        self._evictable -= count
+        if head > self.LRU_SLACK and 2 * head > len(lru):
+            del lru[:head]
+            head = 0
+        self._lru_head = head
+        return evicted
+
+    def _sweep(self) -> None:
+        """Drop the stale entries from the LRU list once they outnumber the live ones."""
+        lru, head = self._lru, self._lru_head
+        if len(lru) - head - self._evictable <= self._evictable + self.LRU_SLACK:
+            return
+        stale = self._stale
+        kept: list[int] = []
+        for block_hash in lru[head:]:
+            entries = stale.get(block_hash)
+            if entries is None:
+                kept.append(block_hash)
+            elif entries == 1:
+                del stale[block_hash]
+            else:
+                stale[block_hash] = entries - 1
+        self._lru = kept
+        self._lru_head = 0
