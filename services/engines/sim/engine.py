@@ -248,7 +248,9 @@ class SimEngine:
         # seeded by the prompt proper and continues at that position, so the client gets the
         # tokens an uninterrupted run would have given.
         offset = request.resumption.output_tokens if request.resumption is not None else 0
-        prompt = request.prompt_tokens[: len(request.prompt_tokens) - offset]
+        prompt = (
+            request.prompt_tokens[: len(request.prompt_tokens) - offset] if offset else request.prompt_tokens
+        )
         digest = hashlib.blake2b(digest_size=8)
         digest.update(request.model.encode())
         digest.update(array("q", prompt).tobytes())
