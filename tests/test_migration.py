@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -32,12 +33,11 @@ from schemas.events import (
     StreamFinished,
     TokenChunk,
     TokenEvent,
-    WorkerControl,
     WorkerState,
     encode_event,
     new_event_id,
 )
-from schemas.subjects import LIFECYCLE, WORKERS, control_subject, event_subject, tokens_subject, work_subject
+from schemas.subjects import LIFECYCLE, WORKERS, event_subject, tokens_subject, work_subject
 from services.ingress.prepare import ClientRequest, prepare
 from services.mesh.config import load_config
 from services.mesh.embedded_nats import free_port
@@ -204,7 +204,9 @@ async def test_killed_decode_worker_the_nats_client_gets_one_whole_stream(
             (victim, "worker_lost", 1)
         ]
         assert migrated[0]["resume_seq"] >= 1 and migrated[0]["delivered_tokens"] >= 40
-        assert victim in health(fleet, "router")["migration"]["gone"]
+        router = health(fleet, "router")
+        assert victim in router["migration"]["gone"]
+        assert victim not in router["kv_index"]["by_worker"]  # its cached blocks dropped
 
         # The migration's span roots its own trace, linked to the original placement's span.
         def migration_span() -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
@@ -258,6 +260,20 @@ async def test_two_router_replicas_place_a_migrated_request_once(
         await asyncio.to_thread(second.wait, 20)
         if victim is not None:
             await asyncio.to_thread(restore, fleet, victim)
+
+
+def ripplemesh(mesh: Mesh, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `ripplemesh` command, as the services' user."""
+    credentials = ["--nats-url", mesh.url, "--nats-credentials", str(mesh.credential_files["services"])]
+    return subprocess.run(
+        [sys.executable, "-m", "ripplemesh", *args, *credentials], capture_output=True, text=True, timeout=60
+    )
+
+
+async def test_draining_an_unknown_worker_is_a_clear_error(fleet: Mesh) -> None:
+    result = await asyncio.to_thread(ripplemesh, fleet, "drain", "no-such-worker")
+    assert result.returncode == 1
+    assert "no worker 'no-such-worker' answers on rmesh.control.no-such-worker" in result.stderr
 
 
 def start_process(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -385,12 +401,10 @@ async def test_drained_decode_worker_hands_its_stream_off_and_exits(
     await read_until(events, 40, seen)
     victim = await asyncio.to_thread(serving, fleet, "decode")
     try:
-        order = WorkerControl(
-            event_id=new_event_id(), occurred_at=time.time(), worker_id=victim, action="drain", grace_s=0.5
-        )
-        reply = await nc.request(control_subject(victim), encode_event(order), timeout=5)
-        # Draining at once: in the answer and in WORKERS, so routers stop placing work there.
-        assert msgspec.json.decode(reply.data, type=WorkerState).draining
+        # An operator drains it; it says it is draining at once (in WORKERS: routers stop placing
+        # work there).
+        drained = await asyncio.to_thread(ripplemesh, fleet, "drain", victim, "--grace", "0.5")
+        assert drained.returncode == 0 and f"{victim} is draining" in drained.stderr, drained
         state = await (await nc.jetstream().key_value(WORKERS.bucket)).get(victim)
         assert msgspec.json.decode(state.value or b"", type=WorkerState).draining
         others = await asyncio.gather(
