@@ -406,13 +406,15 @@ def test_a_failed_step_fails_its_workflow_and_its_spend_is_waste() -> None:
 def test_a_late_step_misses_its_deadline() -> None:
     tenants = (AgenticTenant("t", "standard", 1.0, system_prompt_tokens=500, step_deadline_s=0.05),)
     workload = small_agentic(workflows=30, tenants_spec=tenants, output_tokens=200.0)
-    # Without admission's deadline feasibility (which would reject these at once).
-    abandoned = run_simulation(workload, fleet(PoolSpec(replicas=1)), admission="none")
+    # Without admission's deadline feasibility (which would reject these at once), and routed by
+    # a baseline (ripplemesh's router refuses a deadline it cannot meet, too).
+    abandoned = run_simulation(workload, fleet(PoolSpec(replicas=1)), "least_loaded", admission="none")
     assert abandoned.failures.get("client:deadline", 0) > 0
     assert abandoned.tasks_failed.get("step_failed", 0) > 0  # a cancelled step is a failed step
     late = run_simulation(
         workload,
         fleet(PoolSpec(replicas=1)),
+        "least_loaded",
         options=SimOptions(abandon_past_deadline=False),
         admission="none",
     )

@@ -49,6 +49,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 LIVENESS_S = 3.0
+# The most of a worker's compute prompts are assumed to take from its decodes (at 1 the queue
+# grows without bound; the prediction then says "very slow", not "never").
+MAX_PREFILL_LOAD = 0.9
 
 Role = Literal["prefill", "decode"]
 Mode = Literal["aggregated", "disaggregated"]
@@ -163,13 +166,18 @@ class RouterConfig:
     """What the objective weighs that is the operator's call, not the workers' state."""
 
     kv_transfer_usd_per_gb: float = 0.01  # the ledger's price of KV moved between workers
-    # What a second of time to first token is worth, in US$, per priority class (against the
-    # GPU's $/s: an H100 at $3/h costs $0.00083/s). Critical traffic buys speed; sheddable
-    # traffic is placed for cost, with a small worth so that equal-cost options prefer the
-    # faster one (and a burst does not pile onto one worker).
+    # What a second of a request's completion time (arrival to last token) is worth, in US$, per
+    # priority class, against GPU time (an H100 at $3/h costs $0.00083/s). Critical traffic buys
+    # speed; sheddable traffic is placed mostly for cost.
     latency_worth_usd_per_s: Mapping[str, float] = field(
-        default_factory=lambda: {"critical": 0.004, "standard": 0.001, "sheddable": 0.0002}
+        default_factory=lambda: {"critical": 0.002, "standard": 0.0005, "sheddable": 0.0001}
     )
+    # GPU time costs the fleet what it takes from other work: a worker's price times how busy it
+    # is (an idle GPU's time is paid for whether used or not). A worker counts as fully busy
+    # with this much prefill backlog, or with its KV cache full.
+    saturation_backlog_s: float = 1.0
+    # The window of the prefill arrival rate the router keeps per worker (its placements).
+    rate_window_s: float = 10.0
     # The spread of a completion-time prediction: sigma = relative x predicted + absolute seconds.
     relative_error: float = 0.3
     absolute_error_s: float = 0.25
@@ -208,6 +216,13 @@ class RouterState:
     _counter: itertools.count[int] = field(default_factory=itertools.count)
     # Per model: worker id -> block size (a mismatch is looked for only when two sizes exist).
     _block_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Per worker: prompt tokens placed per second (decaying average over `rate_window_s`), and
+    # when it was last updated.
+    _rates: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Per worker: the requests this router placed there that should still be running, as a heap
+    # of (predicted end, what a second of their latency is worth), and that worth summed.
+    _inflight: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    _inflight_worth: dict[str, float] = field(default_factory=dict)
 
     def observe(self, worker: WorkerView) -> None:
         previous = self.workers.get(worker.worker_id)
@@ -225,19 +240,56 @@ class RouterState:
         self.placed_since_heartbeat.pop(worker_id, None)
         self.placed.pop(worker_id, None)
         self._stamps.pop(worker_id, None)
+        self._rates.pop(worker_id, None)
+        self._inflight.pop(worker_id, None)
+        self._inflight_worth.pop(worker_id, None)
         if worker is not None:
             self._block_sizes.get(worker.model, {}).pop(worker_id, None)
 
-    def count(self, worker_id: str, tokens: int, blocks: int) -> None:
+    def count(self, worker_id: str, tokens: int, blocks: int, now: float | None = None) -> None:
         """One more request placed on the worker: `tokens` to prefill there, `blocks` of KV."""
         self.placed_since_heartbeat[worker_id] = self.placed_since_heartbeat.get(worker_id, 0) + 1
+        self.placed.setdefault(worker_id, _Placed()).requests += 1
+        self.add_work(worker_id, tokens, blocks, now)
+
+    def add_work(self, worker_id: str, tokens: int, blocks: int, now: float | None = None) -> None:
+        """Work a placement on the worker brings: `tokens` to prefill there, `blocks` of KV."""
         placed = self.placed.setdefault(worker_id, _Placed())
-        placed.requests += 1
         placed.tokens += tokens
         placed.blocks += blocks
+        if now is not None and tokens:
+            window = self.config.rate_window_s
+            self._rates[worker_id] = (self.prefill_rate(worker_id, now) + tokens / window, now)
         worker = self.workers.get(worker_id)
         if worker is not None:
             self._push(worker)
+
+    def add_inflight(self, worker_id: str, end: float, worth: float) -> None:
+        """A request placed on the worker, predicted to run until `end`, whose latency is worth
+        `worth` US$ per second."""
+        heapq.heappush(self._inflight.setdefault(worker_id, []), (end, worth))
+        self._inflight_worth[worker_id] = self._inflight_worth.get(worker_id, 0.0) + worth
+
+    def inflight(self, worker_id: str, now: float) -> tuple[int, float]:
+        """How many of this router's placements should still be running on the worker, and what a
+        second of their latency is worth in all."""
+        heap = self._inflight.get(worker_id)
+        if not heap:
+            return 0, 0.0
+        worth = self._inflight_worth[worker_id]
+        while heap and heap[0][0] <= now:
+            worth -= heapq.heappop(heap)[1]
+        worth = max(0.0, worth) if heap else 0.0
+        self._inflight_worth[worker_id] = worth
+        return len(heap), worth
+
+    def prefill_rate(self, worker_id: str, now: float) -> float:
+        """Prompt tokens per second this router has been sending the worker to prefill."""
+        rate = self._rates.get(worker_id)
+        if rate is None:
+            return 0.0
+        value, at = rate
+        return value * math.exp(-max(0.0, now - at) / self.config.rate_window_s)
 
     # ------------------------------------------------------------ the least-loaded heaps
 
@@ -389,14 +441,18 @@ def _mismatch(state: RouterState, model: str, block_size: int, now: float) -> No
 # ------------------------------------------------------------------ predictions
 
 
-def backlog_tokens(worker: WorkerView, state: RouterState, typical_prompt: int = 0) -> float:
-    """Uncached prompt tokens waiting on the worker: its queue at the heartbeat plus what this
-    router placed there since."""
+def backlog_tokens(
+    worker: WorkerView, state: RouterState, now: float, rate: float, typical_prompt: int = 0
+) -> float:
+    """Uncached prompt tokens waiting on the worker now: its queue at the heartbeat plus what
+    this router placed there since, less what it can have prefilled (at `rate` tokens/s) since
+    the heartbeat."""
     placed = state.placed.get(worker.worker_id)
     queued = worker.queued_tokens
     if queued is None:
         queued = worker.queue_depth * typical_prompt
-    return queued + (placed.tokens if placed is not None else 0)
+    done = max(0.0, now - worker.heartbeat_at) * rate
+    return max(0.0, queued + (placed.tokens if placed is not None else 0) - done)
 
 
 def backlog_seconds(worker: WorkerView, state: RouterState) -> float:
@@ -416,25 +472,38 @@ class _Side:
     worker: WorkerView
     cached_tokens: int
     ready_s: float  # until its first token (prefill side) or until it can take the KV (decode side)
+    own_prefill_s: float  # the wall time of its own prefill steps (prefill side)
+    added_prefill_s: float  # how much longer they make the steps of the decodes running there
     prefill_gpu_s: float
     evicted_blocks: int
     decodes: int  # its running batch once this request joins
     context: float  # the batch's KV tokens once this request joins
-    busy_fraction: float  # the share of its steps' time prefill chunks are taking
+    prefill_load: float  # the share of its compute new prompts are expected to take
+    backlog_s: float  # prefill work queued ahead (seconds)
+    utilisation: float  # how busy it is: the share of its price its GPU time costs the fleet
+    new_blocks: int  # KV blocks the request adds there (its cached prefix is already there)
+    kv_fraction: float  # the worker's KV in use once they are added
 
 
-def _cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
     """Whole matched blocks, but the last prompt token is always computed (the engines' rule)."""
     return max(0, min(matched_blocks * block_size, prompt_tokens - 1))
 
 
-def _prefill_seconds(speed: WorkerSpeed, new: float, cached: float, decodes: int, context: float) -> float:
-    """Wall time to prefill `new` tokens after `cached`, in chunks beside `decodes` decodes."""
+def _prefill_seconds(
+    speed: WorkerSpeed, new: float, cached: float, decodes: int, context: float, prompt: float | None = None
+) -> float:
+    """Wall time to prefill `new` tokens after `cached`, in chunks beside `decodes` decodes
+    (holding `context` tokens of KV). `prompt`: the tokens are many prompts of about this size
+    (a queue), not one (attention grows with each prompt's own length, not the queue's)."""
     if new <= 0:
         return 0.0
     chunk = max(1, speed.max_batch_tokens - decodes)
     steps = math.ceil(new / chunk)
-    pairs = new * cached + new * (new + 1) / 2.0
+    if prompt is None:
+        pairs = new * cached + new * (new + 1) / 2.0
+    else:
+        pairs = new * (prompt + 1) / 2.0
     compute = (
         (new + steps * decodes) * speed.flops_per_token + (pairs + steps * context) * speed.flops_per_pair
     ) / (speed.flops_per_s)
@@ -459,6 +528,7 @@ def _side(
     state: RouterState,
     request: RouteRequest,
     matched_blocks: int,
+    now: float,
     *,
     prefill: bool,
 ) -> _Side:
@@ -466,7 +536,7 @@ def _side(
     placed = state.placed.get(worker.worker_id)
     block = request.block_size
     prompt = request.prompt_tokens
-    cached = _cached_tokens(matched_blocks, prompt, block)
+    cached = cached_tokens(matched_blocks, prompt, block)
     new = prompt - cached if prefill else 0
     decodes = worker.running + (placed.requests if placed is not None else 0)
     decodes = min(decodes, speed.max_running)
@@ -475,10 +545,18 @@ def _side(
         if worker.context_tokens is not None
         else float(worker.kv_blocks_used * worker.block_size)
     )
-    queue_tokens = backlog_tokens(worker, state, prompt)
+    chunk = max(1, speed.max_batch_tokens - decodes)
+    rate = chunk / _prefill_seconds(speed, chunk, 0.0, decodes, context)  # beside the decodes
+    queue_tokens = backlog_tokens(worker, state, now, rate, prompt)
     # A hand-off's KV is admitted without prefill compute: only a prompt waits for the backlog.
-    wait = _prefill_seconds(speed, queue_tokens, 0.0, decodes, context) if prefill else 0.0
+    wait = _prefill_seconds(speed, queue_tokens, 0.0, decodes, context, prompt) if prefill else 0.0
     own = _prefill_seconds(speed, new, cached, decodes, context)
+    # What its prefill adds to the steps of the decodes running beside it (a short prompt rides
+    # along in a memory-bound decode step almost for free).
+    added = own
+    if decodes and new > 0:
+        steps = math.ceil(new / max(1, speed.max_batch_tokens - decodes))
+        added = max(0.0, own - steps * speed.decode_step_seconds(decodes, context))
     # Memory: the blocks it needs beyond the cached prefix, against what the running batch and
     # the placements since the heartbeat hold.
     need = -(-(prompt + request.max_tokens) // block) - min(matched_blocks, -(-prompt // block))
@@ -487,32 +565,37 @@ def _side(
     evicted = 0
     memory_wait = 0.0
     if need > available:
-        # It waits for running sequences to finish and free their blocks: about their remaining
-        # decode time (half of a typical output) per batch's worth of blocks.
+        # It waits for running sequences to finish and free their blocks. With n running, each
+        # holding held/n blocks and ending uniformly within twice a typical remaining time
+        # (half an output like this request's), the k-th end comes at 2 x remaining x k/(n+1).
         deficit = need - max(0, available)
-        per_token = speed.decode_step_seconds(max(1, decodes), context)
-        drain = 0.5 * request.max_tokens * per_token
-        memory_wait = drain * min(4.0, deficit / max(1, held))
+        n = max(1, decodes)
+        remaining = 0.5 * request.max_tokens * speed.decode_step_seconds(n, context)
+        ends = min(n, math.ceil(deficit * n / max(1, held)))
+        memory_wait = 2.0 * remaining * ends / (n + 1)
     elif worker.kv_blocks_free is not None:
         free = worker.kv_blocks_free - (placed.blocks if placed is not None else 0)
         evicted = max(0, min(need, need - free))
-    cold = 0.0 if worker.warm else worker.cold_load_s
-    if request.adapter is not None and request.adapter not in worker.adapters:
-        cold += worker.adapter_load_s
-    ready = cold + max(wait, memory_wait) + own
-    # Prefill chunks' share of the worker's step time: its backlog is worked off in full chunks.
-    busy = 0.0
-    if queue_tokens > 0:
-        busy = min(0.9, queue_tokens / (queue_tokens + speed.prefill_tokens_per_s * max(1.0, ready)))
+    ready = _cold_seconds(worker, request) + max(wait, memory_wait) + own
+    config = state.config
+    backlog_s = queue_tokens / rate
+    kv_fraction = min(1.0, (held + need) / worker.kv_blocks_total) if worker.kv_blocks_total else 1.0
+    utilisation = max(kv_fraction, min(1.0, backlog_s / config.saturation_backlog_s))
     return _Side(
         worker=worker,
         cached_tokens=cached,
         ready_s=ready,
+        own_prefill_s=own,
+        added_prefill_s=added,
         prefill_gpu_s=_prefill_gpu_seconds(speed, new, cached),
         evicted_blocks=evicted,
         decodes=decodes + 1,
         context=context + prompt + request.max_tokens / 2.0,
-        busy_fraction=busy,
+        prefill_load=min(1.0, state.prefill_rate(worker.worker_id, now) / speed.prefill_tokens_per_s),
+        backlog_s=backlog_s,
+        utilisation=utilisation,
+        new_blocks=need,
+        kv_fraction=kv_fraction,
     )
 
 
@@ -553,66 +636,114 @@ def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _
     aggregated = prefill.worker is decode.worker
     p_speed, d_speed = prefill.worker.speed, decode.worker.speed
     ttft = prefill.ready_s
-    # Decode: one token per step of the decode worker's batch, slowed by the prefill chunks
-    # sharing its steps.
-    tpot = d_speed.decode_step_seconds(decode.decodes, decode.context) / (1.0 - decode.busy_fraction)
+    outputs = max(0, request.max_tokens - 1)
     transfer_s = 0.0
     transfer_usd = 0.0
     if aggregated:
         decode_start = ttft
+        backlog_s = 0.0  # what was queued ahead is prefilled before this request's first token
     else:
         moved = max(0, request.prompt_tokens - decode.cached_tokens) * d_speed.kv_bytes_per_token
         transfer_s = moved / min(p_speed.kv_link_bytes_per_s, d_speed.kv_link_bytes_per_s)
         transfer_usd = moved / 1e9 * config.kv_transfer_usd_per_gb
         decode_start = max(ttft + transfer_s, decode.ready_s)
-    completion = decode_start + max(0, request.max_tokens - 1) * tpot
-    # The request's share of its decode steps: the weights' read split over the batch, its own
-    # KV read, the step overhead split.
+        backlog_s = decode.backlog_s
+    # Decode: one token per step of the decode worker's batch. Chunked prefill puts prompts into
+    # the same steps (decodes first, prompts fill the token budget), so while prompts take a
+    # share rho of the worker's compute, the decode steps stretch by 1 / (1 - rho); a backlog of
+    # prompts queued when it starts adds its whole prefill time, up to a full chunk per step.
+    step = d_speed.decode_step_seconds(decode.decodes, decode.context)
+    chunk = max(1, d_speed.max_batch_tokens - decode.decodes)
+    chunk_s = chunk * d_speed.flops_per_token / d_speed.flops_per_s
+    rho = min(MAX_PREFILL_LOAD, decode.prefill_load)
+    tpot = step / (1.0 - rho) + min(chunk_s, backlog_s / outputs if outputs else 0.0)
+    completion = decode_start + outputs * tpot
+    # The request's share of its decode steps, as the ledger charges it: the weights' read and
+    # the step overhead split over the batch, its own KV read.
     own_context = request.prompt_tokens + request.max_tokens / 2.0
     per_token = (
         d_speed.step_overhead_s / decode.decodes
         + d_speed.weight_read_bytes / d_speed.bytes_per_s / decode.decodes
         + own_context * d_speed.kv_bytes_per_token / d_speed.bytes_per_s
     )
-    decode_gpu_s = per_token * max(0, request.max_tokens - 1)
+    decode_gpu_s = per_token * outputs
     p_price = prefill.worker.price_per_hour / 3600.0
     d_price = decode.worker.price_per_hour / 3600.0
-    cold_usd = 0.0
-    for side, price in ((prefill, p_price), (decode, d_price)):
-        worker = side.worker
-        if not worker.warm:
-            cold_usd += worker.cold_load_s * price
-        if request.adapter is not None and request.adapter not in worker.adapters:
-            cold_usd += worker.adapter_load_s * price
-        if aggregated:
-            break
+    cold_s = _cold_seconds(prefill.worker, request)
+    if not aggregated:
+        cold_s_decode = _cold_seconds(decode.worker, request)
+    else:
+        cold_s_decode = 0.0
     # Evicting cached blocks that would have been reused: their re-prefill, at this worker's rate.
-    evict_usd = (
+    evicted_s = (
         prefill.evicted_blocks
         * request.block_size
         * config.evicted_reuse_probability
-        * p_price
         / p_speed.prefill_tokens_per_s
     )
-    cost = prefill.prefill_gpu_s * p_price + decode_gpu_s * d_price + transfer_usd + cold_usd + evict_usd
+    prefill_s = prefill.prefill_gpu_s + cold_s + evicted_s
+    decode_s = decode_gpu_s + cold_s_decode
+    # What the ledger will charge (reported), and what the fleet gives up for it (scored): GPU
+    # time priced at the worker's price times its utilisation, plus the KV transfer.
+    charged = prefill_s * p_price + decode_s * d_price + transfer_usd
+    # The KV blocks it holds (beyond the prefix the worker already caches) are memory other
+    # requests cannot have meanwhile: a share of the worker's price for as long as they are held,
+    # weighted by how full the worker's KV is.
+    kv_usd = (
+        d_price * completion * decode.kv_fraction * decode.new_blocks / max(1, decode.worker.kv_blocks_total)
+    )
+    if not aggregated:
+        kv_usd += (
+            p_price * ttft * prefill.kv_fraction * prefill.new_blocks / max(1, prefill.worker.kv_blocks_total)
+        )
+    marginal = (
+        prefill_s * p_price * prefill.utilisation
+        + decode_s * d_price * decode.utilisation
+        + kv_usd
+        + transfer_usd
+    )
     probability = 1.0
     if request.deadline_at is not None:
         slack = request.deadline_at - now
         sigma = config.relative_error * completion + config.absolute_error_s
         probability = _normal_cdf((slack - completion) / sigma)
-    worth = config.latency_worth_usd_per_s.get(request.priority, 0.0) * ttft
+    # The latency this request imposes on the requests already running where it goes: its
+    # prefill steps hold up their decodes, and its KV is read in every decode step they share.
+    per_step = own_context * d_speed.kv_bytes_per_token / d_speed.bytes_per_s
+    # What their latency is worth: known for those this router placed, the standard class's
+    # worth for the others the worker reports.
+    worths = config.latency_worth_usd_per_s
+    standard = worths.get("standard", 0.0)
+    delays = (
+        ((decode, outputs * per_step + prefill.added_prefill_s),)
+        if aggregated
+        else ((decode, outputs * per_step), (prefill, prefill.added_prefill_s))
+    )
+    imposed_usd = 0.0
+    for side, delay in delays:
+        tracked, tracked_worth = state.inflight(side.worker.worker_id, now)
+        imposed_usd += delay * (tracked_worth + max(0, side.decodes - 1 - tracked) * standard)
+    worth = worths.get(request.priority, 0.0) * ttft + imposed_usd
     sunk = request.workflow_spent_usd
-    score = (cost + worth + sunk) / probability if probability > 1e-12 else math.inf
+    score = (marginal + worth + sunk) / probability if probability > 1e-12 else math.inf
     return _Option(
         mode="aggregated" if aggregated else "disaggregated",
         prefill=prefill,
         decode=decode,
         ttft_s=ttft,
         completion_s=completion,
-        cost_usd=cost,
+        cost_usd=charged,
         probability=probability,
         score=score,
     )
+
+
+def _cold_seconds(worker: WorkerView, request: RouteRequest) -> float:
+    """Loading what the worker lacks for the request: the model's weights, the adapter."""
+    seconds = 0.0 if worker.warm else worker.cold_load_s
+    if request.adapter is not None and request.adapter not in worker.adapters:
+        seconds += worker.adapter_load_s
+    return seconds
 
 
 # ------------------------------------------------------------------ the decision
@@ -664,19 +795,19 @@ def _options(
     options: list[_Option] = []
     decode_sides = []
     for worker in decoders:
-        side = _side(worker, state, request, matched.get(worker.worker_id, 0), prefill=True)
+        side = _side(worker, state, request, matched.get(worker.worker_id, 0), now, prefill=True)
         options.append(_option(state, request, side, side, now))
         decode_sides.append(side)
     if prefillers:
         pairs = state.config.pair_candidates
         prefill_sides = sorted(
-            (_side(w, state, request, matched.get(w.worker_id, 0), prefill=True) for w in prefillers),
+            (_side(w, state, request, matched.get(w.worker_id, 0), now, prefill=True) for w in prefillers),
             key=lambda s: (s.ready_s, s.prefill_gpu_s * s.worker.price_per_hour),
         )[:pairs]
         # Decode sides for a hand-off: the worker is ready when it has room for the KV.
         handoff = sorted(
             (
-                _side(s.worker, state, request, matched.get(s.worker.worker_id, 0), prefill=False)
+                _side(s.worker, state, request, matched.get(s.worker.worker_id, 0), now, prefill=False)
                 for s in decode_sides
             ),
             key=lambda s: (s.ready_s, s.worker.price_per_hour),
@@ -713,19 +844,33 @@ def place(
     if isinstance(scored, NoPlacement):
         return scored
     options, considered = scored
+    if request.deadline_at is not None:
+        likeliest = max(options, key=lambda o: o.probability)
+        # The task succeeds only if this step and the steps still to come meet their deadlines;
+        # with nothing known of the later ones, each is as likely as this one is now.
+        left = 0
+        if request.workflow_step is not None and request.workflow_steps is not None:
+            left = max(0, request.workflow_steps - request.workflow_step)
+        task_probability = likeliest.probability ** (1 + left)
+        if task_probability < state.config.min_success_probability:
+            reason = (
+                f"no placement meets the deadline: the likeliest completes in "
+                f"{likeliest.completion_s:.2f} s (probability {likeliest.probability:.3f}), "
+                f"{request.deadline_at - now:.2f} s are left"
+            )
+            if left:
+                reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
+            return NoPlacement("infeasible", reason)
     best = _best(options, request.request_id)
-    if request.deadline_at is not None and best.probability < state.config.min_success_probability:
-        return NoPlacement(
-            "infeasible",
-            f"no placement meets the deadline: the best completes in {best.completion_s:.2f} s "
-            f"(probability {best.probability:.3f}), {request.deadline_at - now:.2f} s are left",
-        )
     prefill, decode = best.prefill, best.decode
     block = request.block_size
     blocks = -(-(request.prompt_tokens + request.max_tokens) // block)
-    state.count(prefill.worker.worker_id, request.prompt_tokens - prefill.cached_tokens, blocks)
+    state.count(prefill.worker.worker_id, request.prompt_tokens - prefill.cached_tokens, blocks, now)
+    worth = state.config.latency_worth_usd_per_s.get(request.priority, 0.0)
     if decode.worker is not prefill.worker:
-        state.count(decode.worker.worker_id, 0, blocks)
+        state.count(decode.worker.worker_id, 0, blocks, now)
+        state.add_inflight(prefill.worker.worker_id, now + best.ttft_s, worth)
+    state.add_inflight(decode.worker.worker_id, now + best.completion_s, worth)
     sunk = request.workflow_spent_usd
     others = sorted((o for o in options if o is not best), key=lambda o: o.score)[:3]
     return Placement(

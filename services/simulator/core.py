@@ -329,16 +329,18 @@ class Simulator:
                 speed=speed,
                 kv_blocks_free=blocks.free_blocks,
                 queued_tokens=self._queued_tokens(worker, now),
+                context_tokens=sum(seq.prompt_len + seq.generated for seq in worker.running),
             )
         )
 
     def _queued_tokens(self, worker: SimWorker, now: float) -> int:
-        """The uncached prompt tokens in the worker's waiting queue (what a heartbeat reports)."""
+        """The prompt tokens the worker has yet to prefill (what a heartbeat reports): the rest of
+        the prompts in its batch, and the uncached part of those waiting."""
+        total = sum(seq.prompt_len + seq.generated - seq.computed for seq in worker.prefilling)
         if not worker.waiting:
-            return 0
+            return total
         self.prefix.now = now
         size = worker.block_size
-        total = 0
         for seq in worker.waiting:
             if not seq.kv_import:
                 cached = self.prefix.overlap(worker.worker_id, seq.hashes) * size

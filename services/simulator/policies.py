@@ -75,7 +75,30 @@ def _least_loaded(state: RouterState, q: RouteRequest, now: float) -> Placement 
 
 
 def make_router(name: str, prefix: PrefixView) -> Router:
-    """A fresh router for one run (its own round-robin cursor)."""
+    """A fresh router for one run (its own round-robin cursor). A baseline's placements are
+    entered in the router state as ripplemesh's policy enters its own (the prompt tokens each
+    leaves to prefill, the KV blocks it will hold), so that what reads the state (admission's
+    predictions) is as well informed whichever policy routes."""
+    decide = _router(name, prefix)
+    if name == "ripplemesh":
+        return decide
+
+    def bookkept(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
+        placement = decide(state, q, now)
+        if isinstance(placement, Placement):
+            cached = router_policy.cached_tokens(
+                prefix.overlap(placement.prefill_worker, q.block_hashes), q.prompt_tokens, q.block_size
+            )
+            blocks = -(-(q.prompt_tokens + q.max_tokens) // q.block_size)
+            state.add_work(placement.prefill_worker, q.prompt_tokens - cached, blocks, now)
+            if placement.decode_worker != placement.prefill_worker:
+                state.add_work(placement.decode_worker, 0, blocks, now)
+        return placement
+
+    return bookkept
+
+
+def _router(name: str, prefix: PrefixView) -> Router:
     if name == "ripplemesh":
 
         def ripplemesh(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:

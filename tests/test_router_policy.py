@@ -1,0 +1,338 @@
+"""The router's seven-axis decision (services/router/policy.py): each axis moves the choice the way
+it should, an unreachable deadline is refused, ties spread instead of herding, and the candidate
+set stays small on a large fleet."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from services.router import policy
+from services.router.policy import (
+    DEFAULT_SPEED,
+    NoPlacement,
+    NoPrefix,
+    Placement,
+    RouteRequest,
+    RouterState,
+    WorkerSpeed,
+    WorkerView,
+    earliest_ttft,
+    place,
+)
+from services.router.speed import speed_for
+
+MODEL = "llama-3.1-8b"
+BLOCK = 16
+NOW = 100.0
+H100 = speed_for("H100", MODEL)
+H200 = speed_for("H200", MODEL)
+assert H100 is not None and H200 is not None
+TOTAL = 30_000  # KV blocks
+
+
+def view(
+    worker_id: str,
+    *,
+    role: str = "decode",
+    gpu: str = "H100",
+    price: float | None = None,
+    speed: WorkerSpeed | None = None,
+    queued: int = 0,
+    running: int = 0,
+    used: int = 0,
+    free: int | None = None,
+    context: int | None = None,
+    **extra: object,
+) -> WorkerView:
+    return WorkerView(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        model=MODEL,
+        block_size=BLOCK,
+        queue_depth=1 if queued else 0,
+        running=running,
+        kv_blocks_total=TOTAL,
+        kv_blocks_used=used,
+        heartbeat_at=NOW,
+        gpu_type=gpu,
+        price_per_hour=price if price is not None else (3.8 if gpu == "H200" else 3.0),
+        speed=speed or (H200 if gpu == "H200" else H100),  # type: ignore[arg-type]
+        kv_blocks_free=TOTAL - used if free is None else free,
+        queued_tokens=queued,
+        context_tokens=context if context is not None else running * 2000,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def state_of(*workers: WorkerView) -> RouterState:
+    state = RouterState()
+    for worker in workers:
+        state.observe(worker)
+    return state
+
+
+class Cached:
+    """A PrefixView with fixed answers: worker -> leading blocks cached."""
+
+    def __init__(self, blocks: Mapping[str, int] | None = None):
+        self.blocks = dict(blocks or {})
+
+    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        return min(self.blocks.get(worker_id, 0), len(block_hashes))
+
+    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        return {w: n for w in self.blocks if (n := self.overlap(w, block_hashes))}
+
+
+def request(
+    rid: str = "r1",
+    *,
+    prompt: int = 2048,
+    output: int = 200,
+    deadline_in: float | None = None,
+    **fields: object,
+) -> RouteRequest:
+    return RouteRequest(
+        request_id=rid,
+        tenant="t",
+        model=MODEL,
+        block_size=BLOCK,
+        block_hashes=list(range(prompt // BLOCK)),
+        prompt_tokens=prompt,
+        max_tokens=output,
+        deadline_at=NOW + deadline_in if deadline_in is not None else None,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def decide(state: RouterState, req: RouteRequest, prefix: Cached | None = None) -> Placement:
+    decision = place(state, req, prefix or Cached(), NOW)
+    assert isinstance(decision, Placement), decision
+    return decision
+
+
+def test_the_default_speed_is_the_sim_engines_h100() -> None:
+    reference = speed_for("H100", "llama-3-8b")
+    assert reference is not None
+    for f in dataclasses.fields(WorkerSpeed):
+        assert getattr(DEFAULT_SPEED, f.name) == pytest.approx(getattr(reference, f.name), rel=1e-9)
+    assert speed_for("no-such-gpu", MODEL) is None
+
+
+# ------------------------------------------------------------------ one test per axis
+
+
+def test_gpu_generation_and_price() -> None:
+    # Equally busy workers: the cheaper GPU-second wins; at one price, the faster GPU (an H200
+    # decodes from faster memory) wins.
+    busy = {"used": TOTAL // 2, "running": 40}
+    cheap = view("cheap", price=2.0, **busy)
+    dear = view("dear", price=6.0, **busy)
+    assert decide(state_of(cheap, dear), request()).decode_worker == "cheap"
+    h100 = view("h100", gpu="H100", price=3.0, **busy)
+    h200 = view("h200", gpu="H200", price=3.0, **busy)
+    assert decide(state_of(h100, h200), request()).decode_worker == "h200"
+    # And the placement's predicted cost is the ledger's charge: dearer on the dear GPU.
+    on_dear = decide(state_of(dataclasses.replace(dear, worker_id="only")), request())
+    on_cheap = decide(state_of(dataclasses.replace(cheap, worker_id="only")), request())
+    assert on_dear.predicted_cost_usd == pytest.approx(3 * on_cheap.predicted_cost_usd, rel=1e-6)
+
+
+def test_memory_headroom() -> None:
+    # Worker "full" would make the request wait for blocks (its KV does not fit beside the
+    # running batch); "roomy" has the space. The prefix cached on "full" does not make up for it.
+    req = request(prompt=4096, output=1000)
+    full = view("full", used=TOTAL - 50, running=4, context=4 * 120_000)
+    roomy = view("roomy", used=TOTAL // 2, running=4, context=4 * 60_000)
+    decision = decide(state_of(full, roomy), req, Cached({"full": 64}))
+    assert decision.decode_worker == "roomy"
+    # Fitting only by evicting cached blocks others may reuse costs their re-prefill: with the
+    # same load, the worker with truly free blocks wins.
+    evicting = view("evicting", used=TOTAL // 2, free=10)
+    free = view("free", used=TOTAL // 2)
+    assert decide(state_of(evicting, free), req).decode_worker == "free"
+
+
+def test_kv_cache_state() -> None:
+    req = request(prompt=8192)
+    a, b = view("a", used=3000, running=8), view("b", used=3000, running=8)
+    decision = decide(state_of(a, b), req, Cached({"b": 400}))
+    assert decision.decode_worker == "b"
+    # Only whole cached blocks count, and the last prompt token is always computed.
+    assert decision.predicted_cached_tokens == 400 * BLOCK
+    full_hit = decide(state_of(a, b), req, Cached({"a": 512}))
+    assert full_hit.decode_worker == "a" and full_hit.predicted_cached_tokens == 8191
+    # Its TTFT is the uncached part's prefill.
+    assert full_hit.predicted_ttft_s < decision.predicted_ttft_s
+
+
+def test_warm_weights() -> None:
+    # A cold worker (weights still loading, 40 s) loses to a warm one with a backlog.
+    cold = view("cold", warm=False, cold_load_s=40.0)
+    warm = view("warm", queued=30_000, running=20, used=10_000)
+    decision = decide(state_of(cold, warm), request())
+    assert decision.decode_worker == "warm"
+    assert decision.predicted_ttft_s < 40.0
+    # An adapter: the worker that has it loaded, over one that would load it first.
+    loaded = view("loaded", adapters=("sql-lora",), adapter_load_s=5.0, running=10, used=5000)
+    missing = view("missing", adapter_load_s=5.0)
+    assert decide(state_of(loaded, missing), request(adapter="sql-lora")).decode_worker == "loaded"
+    # Without the adapter in the request, the idle worker is the better one.
+    assert decide(state_of(loaded, missing), request()).decode_worker == "missing"
+
+
+def test_tenant_priority() -> None:
+    # Two busy workers (KV 90% full): "fast" has no prefill backlog but costs three times as
+    # much; "cheap" has a second of backlog. Critical traffic buys the speed; sheddable traffic
+    # takes the cheap worker.
+    def fleet() -> RouterState:
+        busy = {"used": TOTAL * 9 // 10, "running": 64}
+        return state_of(view("fast", price=9.0, **busy), view("cheap", price=3.0, queued=30_000, **busy))
+
+    assert decide(fleet(), request(priority="critical")).decode_worker == "fast"
+    assert decide(fleet(), request(priority="sheddable")).decode_worker == "cheap"
+
+
+def test_latency_budget() -> None:
+    # "slow" is cheap but has ~4 s of prefill backlog; "quick" is dear and idle. Without a
+    # deadline the cheap one is fine; with 3 s to go only the quick one can make it.
+    def fleet() -> RouterState:
+        return state_of(
+            view("slow", price=1.0, used=TOTAL // 2, queued=200_000, running=40),
+            view("quick", price=12.0, used=TOTAL // 2),
+        )
+
+    relaxed = decide(fleet(), request(priority="sheddable"))
+    assert relaxed.decode_worker == "slow" and relaxed.success_probability == 1.0
+    tight = decide(fleet(), request(priority="sheddable", deadline_in=3.0))
+    assert tight.decode_worker == "quick"
+    assert tight.success_probability > 0.5
+    assert tight.predicted_ttft_s < 1.0 < relaxed.predicted_ttft_s
+
+
+def test_an_unreachable_deadline_is_infeasible() -> None:
+    backlog = {"queued": 2_000_000, "running": 50, "used": TOTAL // 2}
+    state = state_of(view("a", **backlog), view("b", **backlog))
+    req = request(deadline_in=5.0)
+    decision = place(state, req, Cached(), NOW)
+    assert isinstance(decision, NoPlacement) and decision.reason == "infeasible"
+    assert "deadline" in decision.message
+    assert state.placed_since_heartbeat == {"a": 0, "b": 0}  # nothing placed
+    # Admission's view of the same: the earliest first token, well past the deadline.
+    ttft = earliest_ttft(state, req, Cached(), NOW)
+    assert ttft is not None and ttft > 5.0
+    # The same request with a reachable deadline is placed.
+    assert isinstance(place(state, request(deadline_in=600.0), Cached(), NOW), Placement)
+    # A first step of a long workflow is refused when the task as a whole has no chance (each
+    # later step as risky as this one), while its last step alone would be tried.
+    ok = {"queued": 130_000, "running": 50, "used": TOTAL // 2}
+    step = {"deadline_in": 7.0, "workflow_id": "wf", "workflow_steps": 8}
+    first = place(state_of(view("a", **ok)), request(workflow_step=1, **step), Cached(), NOW)
+    last = place(state_of(view("a", **ok)), request(workflow_step=8, **step), Cached(), NOW)
+    assert isinstance(first, NoPlacement) and first.reason == "infeasible", first
+    assert isinstance(last, Placement)
+    assert earliest_ttft(RouterState(), req, Cached(), NOW) is None  # no worker at all
+
+
+def test_workflow_sunk_cost_and_prefix() -> None:
+    # "risky" is cheap with a backlog that makes a 6 s deadline a coin toss; "safe" is dear
+    # and idle. A first step with nothing spent takes the cheap gamble; the last step of a
+    # workflow that has already spent $0.50 is worth protecting: the safe worker.
+    def fleet() -> RouterState:
+        return state_of(
+            view("risky", price=2.0, used=TOTAL // 2, queued=140_000, running=40),
+            view("safe", price=40.0, used=TOTAL // 2),
+        )
+
+    common = {"priority": "sheddable", "deadline_in": 7.0, "workflow_id": "wf", "workflow_steps": 6}
+    first = decide(fleet(), request(workflow_step=1, workflow_spent_usd=0.0, **common))
+    late = decide(fleet(), request(workflow_step=6, workflow_spent_usd=0.5, **common))
+    assert first.decode_worker == "risky" and 0.1 < first.success_probability < 0.95
+    assert late.decode_worker == "safe" and late.success_probability > first.success_probability
+    assert late.expected_cost_per_success_usd > 0.5
+    # A workflow's next step goes where its prefix (the earlier steps) lives.
+    a, b, c = (view(w, used=4000, running=10) for w in "abc")
+    step = decide(
+        state_of(a, b, c), request(prompt=6000, workflow_id="wf", workflow_step=3), Cached({"c": 300})
+    )
+    assert step.decode_worker == "c"
+
+
+def test_aggregated_or_disaggregated_by_the_same_objective() -> None:
+    # A decode worker with a big batch, and an idle prefill worker: a long uncached prompt is
+    # prefilled on the prefill worker (its chunks would hold up the batch); a short one, whose
+    # KV would travel for nothing, stays on the decode worker.
+    def fleet() -> RouterState:
+        return state_of(
+            view("decode", used=TOTAL // 2, running=120, context=120 * 3000),
+            view("prefill", role="prefill", used=1000),
+        )
+
+    long = decide(fleet(), request(prompt=16_000))
+    assert (long.mode, long.prefill_worker, long.decode_worker) == ("disaggregated", "prefill", "decode")
+    short = decide(fleet(), request(prompt=64, output=50), Cached({"decode": 3}))
+    assert (short.mode, short.prefill_worker) == ("aggregated", "decode")
+    # The options it weighed are on the placement, each with its predictions.
+    assert long.runners_up and all(o.expected_cost_per_success_usd > 0 for o in long.runners_up)
+
+
+# ------------------------------------------------------------------ ties, herding, scale
+
+
+def test_a_burst_spreads_over_identical_workers() -> None:
+    workers = [view(f"w{i}") for i in range(8)]
+    state = state_of(*workers)
+    chosen = [decide(state, request(f"burst-{i}", prompt=4096)).decode_worker for i in range(16)]
+    assert Counter(chosen) == {f"w{i}": 2 for i in range(8)}
+
+
+def test_exact_ties_break_by_request_not_by_worker_order() -> None:
+    # Identical workers, a fresh state each time: which one a request lands on depends on the
+    # request (a hash over the tied options only), never on the order the workers were heard.
+    firsts = Counter(
+        decide(state_of(*(view(f"w{i}") for i in range(3))), request(f"tie-{n}")).decode_worker
+        for n in range(300)
+    )
+    assert set(firsts) == {"w0", "w1", "w2"}
+    assert min(firsts.values()) > 60
+
+
+def test_candidates_stay_few_on_a_large_fleet() -> None:
+    workers = [
+        view(
+            f"w{i:04d}",
+            gpu="H200" if i % 2 else "H100",
+            running=i % 9,
+            used=(i * 37) % TOTAL,
+            queued=(i % 5) * 1000,
+        )
+        for i in range(1000)
+    ]
+    state = state_of(*workers)
+    cached = Cached({f"w{i:04d}": 10 + i % 50 for i in range(0, 1000, 7)})
+    config = state.config
+    decision = decide(state, request(prompt=4096), cached)
+    assert decision.candidates <= config.cache_candidates + 2 * config.load_candidates
+    # The least-loaded candidates are the least loaded of each GPU type.
+    least = state.least_loaded(MODEL, "decode", 1, NOW)
+    assert {w.gpu_type for w in least} == {"H100", "H200"}
+    for w in least:
+        same = [x for x in workers if x.gpu_type == w.gpu_type]
+        assert policy.backlog_seconds(w, state) == min(policy.backlog_seconds(x, state) for x in same)
+
+
+def test_bad_fleets() -> None:
+    mismatch = state_of(view("a"), dataclasses.replace(view("b"), block_size=32))
+    decision = place(mismatch, request(), NoPrefix(), NOW)
+    assert isinstance(decision, NoPlacement) and decision.reason == "invalid"
+    only_prefill = state_of(view("p", role="prefill"))
+    decision = place(only_prefill, request(), NoPrefix(), NOW)
+    assert isinstance(decision, NoPlacement) and decision.reason == "no_workers"
+    stale = state_of(dataclasses.replace(view("a"), heartbeat_at=NOW - 10))
+    assert isinstance(place(stale, request(), NoPrefix(), NOW), NoPlacement)
+    draining = state_of(dataclasses.replace(view("a"), draining=True), view("b"))
+    assert decide(draining, request()).decode_worker == "b"
