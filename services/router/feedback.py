@@ -70,12 +70,11 @@ def count_peer_placement(state: RouterState, event: RouteDecision, replica: str)
         else:
             outcome = "stale"
             if event.occurred_at > prefill.heartbeat_at:
-                state.count(
-                    prefill.worker_id, max(0, event.prompt_tokens - chosen.cached_tokens), event.kv_blocks
-                )
+                uncached = max(0, event.prompt_tokens - chosen.cached_tokens)
+                state.count(prefill.worker_id, uncached, event.kv_blocks, event.occurred_at)
                 outcome = "counted"
             if decode.worker_id != prefill.worker_id and event.occurred_at > decode.heartbeat_at:
-                state.count(decode.worker_id, 0, event.kv_blocks)
+                state.count(decode.worker_id, 0, event.kv_blocks, event.occurred_at)
                 outcome = "counted"
     PEER_PLACEMENTS.labels(outcome).inc()
     return outcome
