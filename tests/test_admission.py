@@ -613,5 +613,4 @@ async def test_saturation_is_a_metric_from_the_workers_state(
         await fleet.set(0)
         await asyncio.sleep(0.6)
         # Idle: what is left is one sequence's decode step against the time-per-token bound.
-        assert admission_mesh["admission"].metric("ripplemesh_admission_saturation") < 0.25
-
+        assert admission_mesh["admission"].metric("ripplemesh_admission_saturation") < 0.5

@@ -288,6 +288,31 @@ def test_a_quiet_tenant_is_not_starved_by_a_flood() -> None:
     assert "quiet" in order[:2]
 
 
+def test_a_request_served_out_of_tag_order_does_not_erase_other_tenants_credit() -> None:
+    state = saturated_state()
+    for _ in range(6):  # tenant b's backlog: start tags 0, 200, ..., 1000
+        decide(state, request=request("b"), quota=OPEN, limits=LIMITS, now=0.0)
+    # A later step of one of b's workflows goes ahead of everything (start tag 1200).
+    decide(
+        state,
+        request=request("b", rid="b-step2", standing=CONTINUATION, spent=0.1),
+        quota=OPEN,
+        limits=LIMITS,
+        now=0,
+    )
+    free_one_slot(state)
+    drain(state, LIMITS, 1.0)
+    assert admitted(state)[:1] == ["b-step2"]
+    # Tenant a, quiet so far, is served next to b's oldest, not after all of b's backlog.
+    decide(state, request=request("a", rid="a-first"), quota=OPEN, limits=LIMITS, now=2.0)
+    order: list[str] = []
+    for step in range(3, 6):
+        free_one_slot(state)
+        drain(state, LIMITS, float(step))
+        order += admitted(state)
+    assert "a-first" in order[:2], order
+
+
 # ------------------------------------------------------------------ deadlines
 
 

@@ -104,7 +104,7 @@ class AdmissionLimits:
     max_defer_s: float = 30.0
     # Saturation (1.0: the fleet at its target load) below which each class is admitted; a new
     # workflow's first step needs `new_workflow_factor` times its class's bound.
-    critical_below: float = 1.0
+    critical_below: float = 1.5
     standard_below: float = 0.9
     sheddable_below: float = 0.75
     new_workflow_factor: float = 0.95
@@ -112,7 +112,7 @@ class AdmissionLimits:
     kv_high: float = 0.95
     queue_per_worker: float = 4.0
     wait_high_s: float = 2.0
-    tpot_high_s: float = 0.06
+    tpot_high_s: float = 0.035
     # A concurrency lease lapses after this when no completion is heard (a lost event).
     lease_s: float = 600.0
     concurrency_retry_after_s: float = 1.0
@@ -443,6 +443,10 @@ class AdmissionState:
     _queue: list[tuple[tuple[int, int, int, float, int], _Entry]] = field(default_factory=list)
     _due: list[tuple[float, int, _Entry]] = field(default_factory=list)
     _virtual: dict[str, float] = field(default_factory=dict)  # per class
+    # Per class, the queued entries by start tag: the fair queue's virtual time is the smallest
+    # start tag still waiting (entries served out of tag order, ahead of others by level or
+    # workflow standing, must not pull it forward: it would erase the other tenants' credit).
+    _starts: dict[str, list[tuple[float, int, _Entry]]] = field(default_factory=dict)
     _last_finish: dict[tuple[str, str], float] = field(default_factory=dict)  # (class, tenant)
     _seq: int = 0
 
@@ -636,6 +640,7 @@ def _enqueue(
     state.deferred_bytes += request.size_bytes
     heapq.heappush(state._queue, (key, entry))
     heapq.heappush(state._due, (entry.due, state._seq, entry))
+    heapq.heappush(state._starts.setdefault(request.priority, []), (start, state._seq, entry))
     return entry
 
 
@@ -701,7 +706,11 @@ def drain(
         if value >= limits.admit_below(request.priority, request.workflow_standing):
             break
         _remove(state, head)
-        state._virtual[request.priority] = max(state._virtual.get(request.priority, 0.0), head.start)
+        starts = state._starts.get(request.priority, [])
+        while starts and starts[0][2].removed:
+            heapq.heappop(starts)
+        served = min(head.start, starts[0][0]) if starts else head.start
+        state._virtual[request.priority] = max(state._virtual.get(request.priority, 0.0), served)
         key = (request.priority, request.tenant)
         state._last_finish[key] = max(state._last_finish.get(key, 0.0), head.finish)
         state.admitted_since += 1
