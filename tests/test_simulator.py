@@ -244,6 +244,26 @@ def test_chunked_steps_change_nothing(monkeypatch: pytest.MonkeyPatch, scenario:
     assert chunked_log == stepwise_log
 
 
+def test_heartbeats_report_the_batch_context_of_steady_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a heartbeat reports as the batch's context counts the tokens a steady decode has
+    generated since it joined (kept in the worker's running sums, not on the sequence)."""
+    seen: list[tuple[int, int]] = []
+    observe = Simulator._observe
+
+    def checked(self: Simulator, worker: worker_module.SimWorker, now: float) -> None:
+        expected = 0
+        for seq in worker.running:
+            since = worker.k - seq.k0 if seq.dec else 0  # steady steps not settled on the sequence
+            expected += seq.prompt_len + seq.generated + since
+        seen.append((worker.context_tokens(), expected))
+        observe(self, worker, now)
+
+    monkeypatch.setattr(Simulator, "_observe", checked)
+    run_simulation(small_agentic(workflows=40, output_tokens=300.0), fleet(PoolSpec(replicas=2)))
+    assert all(got == expected for got, expected in seen)
+    assert sum(expected > 0 for _, expected in seen) > 20
+
+
 @pytest.mark.parametrize("scenario", ["long-decodes", "stressful"])
 def test_steps_applied_as_arrays_change_nothing(monkeypatch: pytest.MonkeyPatch, scenario: str) -> None:
     """A chunk's steps applied with numpy (`_advance_arrays`) give the plain loop's result, bit
@@ -503,6 +523,48 @@ def test_prefix_view_binary_search_equals_the_linear_walk() -> None:
             assert view.overlap(worker_id, chain) == expected
             checked += expected > 0
     assert checked > 0
+
+
+@pytest.mark.parametrize("serving", ["aggregated", "disaggregated"])
+def test_fleet_overlaps_from_the_first_block_index_equal_visiting_every_worker(
+    monkeypatch: pytest.MonkeyPatch, serving: str
+) -> None:
+    """`overlaps` visits only the workers its first-block index names; at every routing decision
+    of a run (evictions, a small index sweep, the fleet growing, KV imported by decode workers) it
+    equals visiting the fleet."""
+    monkeypatch.setattr(FleetPrefixView, "SWEEP_SLACK", 4)
+    indexed = FleetPrefixView.overlaps
+    answers: list[int] = []
+
+    def checked(self: FleetPrefixView, block_hashes: list[int]) -> dict[str, int]:
+        got = indexed(self, block_hashes)
+        every = {w: m for w in self.workers if (m := self.overlap(w, block_hashes))}
+        assert list(got.items()) == list(every.items())
+        answers.append(len(got))
+        return got
+
+    monkeypatch.setattr(FleetPrefixView, "overlaps", checked)
+    pools = [
+        PoolSpec(
+            replicas=2,
+            autoscale=True,
+            min_replicas=2,
+            max_replicas=6,
+            startup_s=5.0,
+            kv_capacity_tokens=20_000,
+        )
+    ]
+    if serving == "disaggregated":
+        pools.insert(0, PoolSpec(role="prefill", replicas=2, kv_capacity_tokens=20_000))
+    spec = fleet(*pools, autoscale_interval_s=2.0, sequences_per_replica=4.0)
+    # Disaggregated, dynamo_kv hands every request's KV to a decode worker; admission's predictions
+    # (the router's earliest_ttft) call overlaps whatever routes.
+    policy = "ripplemesh" if serving == "aggregated" else "dynamo_kv"
+    result = run_simulation(small_agentic(workflows=150, rate_per_s=10.0), spec, policy)
+    assert result.peak_replicas > 2 + len(pools) - 1
+    assert len(answers) > 100 and sum(n > 1 for n in answers) > 10  # several workers caching a prefix
+    if serving == "disaggregated":
+        assert result.kv_transfer_bytes > 0
 
 
 # ------------------------------------------------------------------ the policies are the services'

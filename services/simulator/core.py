@@ -235,7 +235,7 @@ class Simulator:
         self.serving: dict[str, SimWorker] = {}  # workers that take (or finish) work
         self.all_workers: list[SimWorker] = []
         self.starting: dict[str, SimWorker] = {}
-        self.prefix = FleetPrefixView(self.serving)
+        self.prefix = FleetPrefixView(self.serving, shared_prefixes=workload.prefix_sharing)
         self._speeds: dict[str, WorkerSpeed] = {}  # each worker's roofline, for the router's view
         self.router = make_router(policy, self.prefix)
         self._pool_of: dict[str, PoolSpec] = {}
@@ -294,6 +294,7 @@ class Simulator:
             role=pool.role,
             tensor_parallel=pool.tensor_parallel,
             on_import_admitted=self._import_admitted,
+            on_first_block=self.prefix.stored_first_block,
         )
         worker.provisioned_at = now
         self._pool_of[worker_id] = pool
@@ -329,7 +330,7 @@ class Simulator:
                 speed=speed,
                 kv_blocks_free=blocks.free_blocks,
                 queued_tokens=self._queued_tokens(worker, now),
-                context_tokens=sum(seq.prompt_len + seq.generated for seq in worker.running),
+                context_tokens=worker.context_tokens(),
             )
         )
 

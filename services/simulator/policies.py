@@ -28,11 +28,27 @@ class FleetPrefixView:
     releases them deepest first, so a block never outlives its parent in the LRU. The membership
     test reads the manager's hash table directly (`cached_prefix_blocks` walks the blocks one by
     one); tests/test_simulator.py holds the two equal on simulated caches.
+
+    `overlaps` (the whole fleet's matches, once or more per routing decision) visits only the
+    workers that may cache the prompt's first block, not the fleet: each worker reports the first
+    blocks its cache stores (`stored_first_block`, from `SimWorker`), which makes an index of
+    first block -> workers, a superset of those caching it now (an entry goes when it is found
+    evicted, or in a sweep once the entries have doubled). With chained hashes a first block is
+    never another position's block, so a worker caching any prefix of the prompt is in the index
+    (tested against visiting every worker). A workload without prefix sharing
+    (`shared_prefixes=False`: no two requests share a block) has nothing to find, and no index.
     """
 
-    def __init__(self, workers: Mapping[str, SimWorker]):
+    SWEEP_SLACK = 1024
+
+    def __init__(self, workers: Mapping[str, SimWorker], *, shared_prefixes: bool = True):
         self.workers = workers
         self.now = 0.0  # the simulator sets it before each decision
+        self.shared_prefixes = shared_prefixes
+        self._holders: dict[int, list[str]] = {}  # first block hash -> workers that stored it
+        self._entries = 0
+        self._sweep_at = self.SWEEP_SLACK
+        self._rank: dict[str, int] = {}  # worker -> its place in `workers` (the fleet's order)
 
     def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         worker = self.workers.get(worker_id)
@@ -57,15 +73,63 @@ class FleetPrefixView:
         return low
 
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Every serving worker's matched leading blocks (those matching none left out)."""
-        if not block_hashes:
+        """Every serving worker's matched leading blocks (those matching none left out), in the
+        fleet's order."""
+        if not block_hashes or not self.shared_prefixes:
             return {}
         first = block_hashes[0]
-        return {
-            worker_id: matched
-            for worker_id, worker in self.workers.items()
-            if first in worker.blocks._refs and (matched := self.overlap(worker_id, block_hashes))
-        }
+        holders = self._holders.get(first)
+        if not holders:
+            return {}
+        workers = self.workers
+        caching = [
+            w for w in holders if (worker := workers.get(w)) is not None and first in worker.blocks._refs
+        ]
+        if len(caching) < len(holders):  # evicted (or the worker gone): it re-enters when stored again
+            self._entries -= len(holders) - len(caching)
+            if caching:
+                self._holders[first] = caching
+            else:
+                del self._holders[first]
+        if len(caching) > 1:
+            rank = self._rank
+            if any(w not in rank for w in caching):
+                rank = self._rank = {w: i for i, w in enumerate(workers)}
+            caching.sort(key=rank.__getitem__)
+        return {w: matched for w in caching if (matched := self.overlap(w, block_hashes))}
+
+    def stored_first_block(self, worker: SimWorker, block_hash: int) -> None:
+        """`worker`'s cache stored `block_hash` as the first block of a prompt."""
+        if not self.shared_prefixes:
+            return
+        holders = self._holders.get(block_hash)
+        if holders is None:
+            self._holders[block_hash] = [worker.worker_id]
+        elif worker.worker_id not in holders:
+            holders.append(worker.worker_id)
+        else:
+            return
+        self._entries += 1
+        if self._entries > self._sweep_at:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Drop the entries of first blocks no longer cached (their workers evicted them)."""
+        workers = self.workers
+        kept: dict[int, list[str]] = {}
+        entries = 0
+        for block_hash, holders in self._holders.items():
+            caching = [
+                w
+                for w in holders
+                if (worker := workers.get(w)) is not None and block_hash in worker.blocks._refs
+            ]
+            if caching:
+                kept[block_hash] = caching
+                entries += len(caching)
+        self._holders = kept
+        self._entries = entries
+        self._sweep_at = 2 * entries + self.SWEEP_SLACK
 
 
 def _least_loaded(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:

@@ -247,6 +247,7 @@ class SimWorker:
         role: str,
         tensor_parallel: int,
         on_import_admitted: Callable[[SimWorker, Seq, float], None] | None = None,
+        on_first_block: Callable[[SimWorker, int], None] | None = None,
     ):
         self.worker_id = worker_id
         self.engine = engine  # built, never started: configuration and pure pieces only
@@ -265,6 +266,8 @@ class SimWorker:
             raise ValueError("the simulator needs max_running <= max_batch_tokens (every decode fits a step)")
         self.cost = StepCost(self.perf)
         self.on_import_admitted = on_import_admitted
+        # Told when the cache stores a prompt's first block (the simulator's prefix index).
+        self.on_first_block = on_first_block
         self.waiting: deque[Seq] = deque()
         self.ready: deque[Seq] = deque()
         self.running: dict[Seq, None] = {}  # admission order
@@ -323,6 +326,13 @@ class SimWorker:
     def idle(self) -> bool:
         return self.resident == 0 and not self.busy
 
+    def context_tokens(self) -> int:
+        """The running sequences' tokens so far (prompt + generated), as of the steps applied: a
+        steady decode's are kept in the worker's running sums (`base + k` computed, one more
+        generated), not on the sequence."""
+        prefilling = sum(seq.prompt_len + seq.generated for seq in self.prefilling)
+        return self.context_base + self.decoders * (self.k + 1) + prefilling
+
     # ------------------------------------------------------------ admission of work
 
     def check(self, prompt_len: int, max_tokens: int) -> tuple[str, str] | None:
@@ -371,6 +381,8 @@ class SimWorker:
         seq.computed = seq.prompt_len
         seq.state = IDLE
         self.blocks.mark_computed(seq.rid, seq.prompt_len)
+        if seq.hashes and self.on_first_block is not None:
+            self.on_first_block(self, seq.hashes[0])
         return True
 
     def start_decode(self, seq: Seq) -> bool:
@@ -821,6 +833,7 @@ class SimWorker:
             self.generated_tokens += emitted
             return handoffs
         blocks = self.blocks
+        size = self.block_size
         for (seq, n), share in zip(self._parts, self._shares, strict=True):
             if seq.first_done:
                 seq.decode_s += share
@@ -834,6 +847,8 @@ class SimWorker:
                 self.prefill_tokens += n
             if before < seq.prompt_len:
                 blocks.mark_computed(seq.rid, computed)
+                if before < size <= computed and seq.hashes and self.on_first_block is not None:
+                    self.on_first_block(self, seq.hashes[0])
             if computed < seq.prompt_len + seq.generated:
                 continue  # a prefill chunk short of the prompt's end
             seq.generated += 1
