@@ -60,6 +60,7 @@ class RouterBenchResult:
     p99_cpu_us: float
     p99_cold_us: float
     decision_p99_us: float
+    decision_p99_cpu_us: float
     apply_batches_per_s: float
 
 
@@ -195,7 +196,9 @@ def _time_overlaps(
     return timings
 
 
-def _time_decisions(index: KvIndex, requests: list[tuple[str, list[int]]]) -> list[float]:
+def _time_decisions(
+    index: KvIndex, requests: list[tuple[str, list[int]]], clock: Callable[[], int] = time.perf_counter_ns
+) -> list[float]:
     """µs per decision as the router makes it: `policy.place` (the seven-axis policy, with its
     `overlaps` query on the index) over every worker: a prefill and a decode pool, half each, of
     H100s and H200s. Heartbeats (every worker's state anew) every 200 decisions, untimed."""
@@ -241,9 +244,9 @@ def _time_decisions(index: KvIndex, requests: list[tuple[str, list[int]]]) -> li
                 max_tokens=256,
                 deadline_at=1e9 + 30.0 if n % 3 == 0 else None,
             )
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             place(state, request, index, 1e9)
-            timings.append((time.perf_counter_ns() - t0) / 1000)
+            timings.append((clock() - t0) / 1000)
     finally:
         gc.enable()
     timings.sort()
@@ -291,6 +294,7 @@ def run_router_bench(
     cold = sorted(_time_overlaps(index, timed, time.perf_counter_ns))
     index.group_cache_size = cache_size
     decisions = _time_decisions(index, timed[:2000])
+    decisions_cpu = _time_decisions(index, timed[:2000], time.thread_time_ns)
     apply_rate = _time_apply(index, 20_000, seed)
 
     by_kind: dict[str, list[float]] = {}
@@ -335,7 +339,9 @@ def run_router_bench(
     )
     console.print(
         f"whole decision (policy.place over {workers:,} workers, overlaps included): "
-        f"p50 {_percentile(decisions, 0.5):.0f} µs, p99 {_percentile(decisions, 0.99):.0f} µs"
+        f"p50 {_percentile(decisions, 0.5):.0f} µs, p99 {_percentile(decisions, 0.99):.0f} µs wall; "
+        f"p50 {_percentile(decisions_cpu, 0.5):.0f} µs, p99 {_percentile(decisions_cpu, 0.99):.0f} µs "
+        f"in this thread's CPU time (target: p99 under {TARGET_P99_US:.0f} µs)"
     )
     console.print(f"apply(): {apply_rate:,.0f} event batches/s (16 stored + 4 removed blocks each)")
     verdict = "[green]meets[/]" if p99 < TARGET_P99_US else "[red]misses[/]"
@@ -358,5 +364,6 @@ def run_router_bench(
         p99_cpu_us=cpu_p99,
         p99_cold_us=_percentile(cold, 0.99),
         decision_p99_us=_percentile(decisions, 0.99),
+        decision_p99_cpu_us=_percentile(decisions_cpu, 0.99),
         apply_batches_per_s=apply_rate,
     )

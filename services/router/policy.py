@@ -187,10 +187,10 @@ class RouterConfig:
     # is then charged to this placement).
     evicted_reuse_probability: float = 0.25
     # Candidates: the workers caching the longest prefix, and the least loaded per role and GPU.
-    cache_candidates: int = 4
-    load_candidates: int = 3
+    cache_candidates: int = 3
+    load_candidates: int = 2
     # Disaggregated pairs scored: the best prefill workers x the best decode workers.
-    pair_candidates: int = 3
+    pair_candidates: int = 2
 
 
 @dataclass(slots=True)
@@ -216,6 +216,9 @@ class RouterState:
     _counter: itertools.count[int] = field(default_factory=itertools.count)
     # Per model: worker id -> block size (a mismatch is looked for only when two sizes exist).
     _block_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    _size_counts: dict[str, dict[int, int]] = field(default_factory=dict)  # model -> size -> workers
+    # Per worker: its batch as of its current stamp (`_batch`).
+    _batches: dict[str, tuple[int, tuple[int, float, float, float]]] = field(default_factory=dict)
     # Per worker: prompt tokens placed per second (decaying average over `rate_window_s`), and
     # when it was last updated.
     _rates: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -228,11 +231,17 @@ class RouterState:
         previous = self.workers.get(worker.worker_id)
         if previous is None or worker.heartbeat_at >= previous.heartbeat_at:
             if previous is not None and previous.model != worker.model:
-                self._block_sizes.get(previous.model, {}).pop(worker.worker_id, None)
+                self._drop_size(previous)
             self.workers[worker.worker_id] = worker
             self.placed_since_heartbeat[worker.worker_id] = 0
             self.placed[worker.worker_id] = _Placed()
-            self._block_sizes.setdefault(worker.model, {})[worker.worker_id] = worker.block_size
+            sizes = self._block_sizes.setdefault(worker.model, {})
+            if sizes.get(worker.worker_id) != worker.block_size:
+                if worker.worker_id in sizes:
+                    self._drop_size(worker)
+                sizes[worker.worker_id] = worker.block_size
+                counts = self._size_counts.setdefault(worker.model, {})
+                counts[worker.block_size] = counts.get(worker.block_size, 0) + 1
             self._push(worker)
 
     def forget(self, worker_id: str) -> None:
@@ -240,11 +249,20 @@ class RouterState:
         self.placed_since_heartbeat.pop(worker_id, None)
         self.placed.pop(worker_id, None)
         self._stamps.pop(worker_id, None)
+        self._batches.pop(worker_id, None)
         self._rates.pop(worker_id, None)
         self._inflight.pop(worker_id, None)
         self._inflight_worth.pop(worker_id, None)
         if worker is not None:
-            self._block_sizes.get(worker.model, {}).pop(worker_id, None)
+            self._drop_size(worker)
+
+    def _drop_size(self, worker: WorkerView) -> None:
+        size = self._block_sizes.get(worker.model, {}).pop(worker.worker_id, None)
+        counts = self._size_counts.get(worker.model)
+        if size is not None and counts is not None:
+            counts[size] -= 1
+            if not counts[size]:
+                del counts[size]
 
     def count(self, worker_id: str, tokens: int, blocks: int, now: float | None = None) -> None:
         """One more request placed on the worker: `tokens` to prefill there, `blocks` of KV."""
@@ -305,24 +323,30 @@ class RouterState:
             self._heaps[(worker.model, worker.role, worker.gpu_type)] = current
 
     def least_loaded(self, model: str, role: Role, k: int, now: float) -> list[WorkerView]:
-        """Up to k live, non-draining workers of each GPU type for the model and role, least
-        loaded first (O(k log n) per GPU type)."""
+        """The k least-loaded live, non-draining workers of each GPU type for the model and role
+        (O(k log n) per GPU type). Workers tied with the k-th come too (up to 4k), so that a
+        hash over the tied options, not the order workers were heard, picks among equals."""
         out: list[WorkerView] = []
         for (heap_model, heap_role, _), heap in self._heaps.items():
             if heap_model != model or heap_role != role:
                 continue
             taken: list[tuple[float, int, str]] = []
-            while heap and len(taken) < k:
+            live = 0
+            last = math.inf
+            while heap:
+                if live >= k and (heap[0][0] != last or live >= 4 * k):
+                    break
                 entry = heapq.heappop(heap)
-                _, stamp, worker_id = entry
+                key, stamp, worker_id = entry
                 if self._stamps.get(worker_id) != stamp:
                     continue  # superseded: dropped
                 worker = self.workers[worker_id]
-                taken.append(entry)
+                taken.append(entry)  # kept (a dead one may come back), maybe not a candidate
                 if worker.draining or now - worker.heartbeat_at > LIVENESS_S:
-                    k += 1  # kept (it may come back), but not a candidate
                     continue
                 out.append(worker)
+                live += 1
+                last = key
             for entry in taken:
                 heapq.heappush(heap, entry)
         return out
@@ -424,8 +448,8 @@ def live_workers(state: RouterState, model: str, now: float) -> list[WorkerView]
 
 
 def _mismatch(state: RouterState, model: str, block_size: int, now: float) -> NoPlacement | None:
-    sizes = state._block_sizes.get(model)
-    if not sizes or all(size == block_size for size in sizes.values()):
+    counts = state._size_counts.get(model)
+    if not counts or (len(counts) == 1 and block_size in counts):
         return None
     mismatched = sorted(w.worker_id for w in live_workers(state, model, now) if w.block_size != block_size)
     if not mismatched:
@@ -465,13 +489,14 @@ def backlog_seconds(worker: WorkerView, state: RouterState) -> float:
     return tokens / worker.speed.prefill_tokens_per_s + 0.5 * min(1.0, kv) + 0.01 * worker.running
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built a dozen times per decision, and frozen init is slower
 class _Side:
     """One worker's predicted part in a placement."""
 
     worker: WorkerView
     cached_tokens: int
     ready_s: float  # until its first token (prefill side) or until it can take the KV (decode side)
+    kv_ready_s: float  # until it can take the request's KV from a prefill worker
     own_prefill_s: float  # the wall time of its own prefill steps (prefill side)
     added_prefill_s: float  # how much longer they make the steps of the decodes running there
     prefill_gpu_s: float
@@ -523,40 +548,53 @@ def _prefill_gpu_seconds(speed: WorkerSpeed, new: float, cached: float) -> float
     return compute + speed.step_overhead_s * math.ceil(new / speed.max_batch_tokens)
 
 
-def _side(
-    worker: WorkerView,
-    state: RouterState,
-    request: RouteRequest,
-    matched_blocks: int,
-    now: float,
-    *,
-    prefill: bool,
-) -> _Side:
+def _batch(state: RouterState, worker: WorkerView, placed: _Placed | None) -> tuple[int, float, float, float]:
+    """The worker's running batch as the router sees it (what its heartbeat reported plus what was
+    placed since): decodes, their KV tokens, the prefill rate beside them (tokens/s), a decode
+    step's time. Kept per state of the worker: it changes with a heartbeat or a placement."""
+    stamp = state._stamps.get(worker.worker_id, -1)
+    known = state._batches.get(worker.worker_id)
+    if known is not None and known[0] == stamp:
+        return known[1]
     speed = worker.speed
-    placed = state.placed.get(worker.worker_id)
-    block = request.block_size
-    prompt = request.prompt_tokens
-    cached = cached_tokens(matched_blocks, prompt, block)
-    new = prompt - cached if prefill else 0
-    decodes = worker.running + (placed.requests if placed is not None else 0)
-    decodes = min(decodes, speed.max_running)
+    decodes = min(worker.running + (placed.requests if placed is not None else 0), speed.max_running)
     context = (
         float(worker.context_tokens)
         if worker.context_tokens is not None
         else float(worker.kv_blocks_used * worker.block_size)
     )
     chunk = max(1, speed.max_batch_tokens - decodes)
-    rate = chunk / _prefill_seconds(speed, chunk, 0.0, decodes, context)  # beside the decodes
+    rate = chunk / _prefill_seconds(speed, chunk, 0.0, decodes, context)
+    batch = (decodes, context, rate, speed.decode_step_seconds(max(1, decodes), context))
+    state._batches[worker.worker_id] = (stamp, batch)
+    return batch
+
+
+def _side(
+    worker: WorkerView,
+    state: RouterState,
+    request: RouteRequest,
+    matched_blocks: int,
+    now: float,
+) -> _Side:
+    """The worker's part if the request's prefill runs there (`ready_s`), or if its KV is handed
+    to it after a prefill elsewhere (`kv_ready_s`)."""
+    speed = worker.speed
+    placed = state.placed.get(worker.worker_id)
+    block = request.block_size
+    prompt = request.prompt_tokens
+    cached = cached_tokens(matched_blocks, prompt, block)
+    new = prompt - cached
+    decodes, context, rate, step_s = _batch(state, worker, placed)
     queue_tokens = backlog_tokens(worker, state, now, rate, prompt)
-    # A hand-off's KV is admitted without prefill compute: only a prompt waits for the backlog.
-    wait = _prefill_seconds(speed, queue_tokens, 0.0, decodes, context, prompt) if prefill else 0.0
+    wait = _prefill_seconds(speed, queue_tokens, 0.0, decodes, context, prompt)
     own = _prefill_seconds(speed, new, cached, decodes, context)
     # What its prefill adds to the steps of the decodes running beside it (a short prompt rides
     # along in a memory-bound decode step almost for free).
     added = own
     if decodes and new > 0:
         steps = math.ceil(new / max(1, speed.max_batch_tokens - decodes))
-        added = max(0.0, own - steps * speed.decode_step_seconds(decodes, context))
+        added = max(0.0, own - steps * step_s)
     # Memory: the blocks it needs beyond the cached prefix, against what the running batch and
     # the placements since the heartbeat hold.
     need = -(-(prompt + request.max_tokens) // block) - min(matched_blocks, -(-prompt // block))
@@ -570,13 +608,13 @@ def _side(
         # (half an output like this request's), the k-th end comes at 2 x remaining x k/(n+1).
         deficit = need - max(0, available)
         n = max(1, decodes)
-        remaining = 0.5 * request.max_tokens * speed.decode_step_seconds(n, context)
+        remaining = 0.5 * request.max_tokens * step_s
         ends = min(n, math.ceil(deficit * n / max(1, held)))
         memory_wait = 2.0 * remaining * ends / (n + 1)
     elif worker.kv_blocks_free is not None:
         free = worker.kv_blocks_free - (placed.blocks if placed is not None else 0)
         evicted = max(0, min(need, need - free))
-    ready = _cold_seconds(worker, request) + max(wait, memory_wait) + own
+    cold = _cold_seconds(worker, request)
     config = state.config
     backlog_s = queue_tokens / rate
     kv_fraction = min(1.0, (held + need) / worker.kv_blocks_total) if worker.kv_blocks_total else 1.0
@@ -584,7 +622,9 @@ def _side(
     return _Side(
         worker=worker,
         cached_tokens=cached,
-        ready_s=ready,
+        ready_s=cold + max(wait, memory_wait) + own,
+        # A hand-off's KV is admitted without prefill compute: it waits only for room.
+        kv_ready_s=cold + memory_wait,
         own_prefill_s=own,
         added_prefill_s=added,
         prefill_gpu_s=_prefill_gpu_seconds(speed, new, cached),
@@ -603,7 +643,7 @@ def _normal_cdf(x: float) -> float:
     return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Option:
     mode: Mode
     prefill: _Side
@@ -646,7 +686,7 @@ def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _
         moved = max(0, request.prompt_tokens - decode.cached_tokens) * d_speed.kv_bytes_per_token
         transfer_s = moved / min(p_speed.kv_link_bytes_per_s, d_speed.kv_link_bytes_per_s)
         transfer_usd = moved / 1e9 * config.kv_transfer_usd_per_gb
-        decode_start = max(ttft + transfer_s, decode.ready_s)
+        decode_start = max(ttft + transfer_s, decode.kv_ready_s)
         backlog_s = decode.backlog_s
     # Decode: one token per step of the decode worker's batch. Chunked prefill puts prompts into
     # the same steps (decodes first, prompts fill the token budget), so while prompts take a
@@ -708,8 +748,10 @@ def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _
         sigma = config.relative_error * completion + config.absolute_error_s
         probability = _normal_cdf((slack - completion) / sigma)
     # The latency this request imposes on the requests already running where it goes: its
-    # prefill steps hold up their decodes, and its KV is read in every decode step they share.
-    per_step = own_context * d_speed.kv_bytes_per_token / d_speed.bytes_per_s
+    # prefill steps hold up their decodes, and its KV is read in every decode step they share
+    # (which matters as much as the worker is busy: on a lightly used worker the extra read
+    # is a hair on a step that is mostly the weights' read).
+    per_step = own_context * d_speed.kv_bytes_per_token / d_speed.bytes_per_s * decode.utilisation
     # What their latency is worth: known for those this router placed, the standard class's
     # worth for the others the worker reports.
     worths = config.latency_worth_usd_per_s
@@ -750,35 +792,39 @@ def _cold_seconds(worker: WorkerView, request: RouteRequest) -> float:
 
 
 def _candidates(
-    state: RouterState,
-    request: RouteRequest,
-    matched: Mapping[str, int],
-    role: Role,
-    now: float,
-) -> list[WorkerView]:
-    """The workers worth scoring for one role: the longest cached prefixes, the least loaded."""
+    state: RouterState, request: RouteRequest, matched: Mapping[str, int], now: float
+) -> dict[Role, list[WorkerView]]:
+    """The workers worth scoring, per role: those caching the longest prefix of the request,
+    and the least loaded of each GPU type."""
     config = state.config
-    chosen: dict[str, WorkerView] = {}
+    chosen: dict[Role, dict[str, WorkerView]] = {"decode": {}, "prefill": {}}
+    wanted = config.cache_candidates
     if matched:
-        best = heapq.nlargest(config.cache_candidates * 2, matched.items(), key=lambda item: item[1])
-        taken = 0
-        for worker_id, _ in best:
-            worker = state.workers.get(worker_id)
-            if (
-                worker is None
-                or worker.role != role
-                or worker.model != request.model
-                or worker.draining
-                or now - worker.heartbeat_at > LIVENESS_S
-            ):
-                continue
-            chosen[worker_id] = worker
-            taken += 1
-            if taken >= config.cache_candidates:
+        workers = state.workers
+        # Workers leave a shared prefix in groups: few distinct depths, longest first.
+        missing = 2 * wanted  # places left, both roles together
+        for depth in sorted(set(matched.values()), reverse=True):
+            for worker_id in [w for w, d in matched.items() if d == depth]:
+                worker = workers.get(worker_id)
+                if (
+                    worker is None
+                    or worker.model != request.model
+                    or worker.draining
+                    or now - worker.heartbeat_at > LIVENESS_S
+                ):
+                    continue
+                group = chosen[worker.role]
+                if len(group) < wanted:
+                    group[worker_id] = worker
+                    missing -= 1
+                    if not missing:
+                        break
+            if not missing:
                 break
-    for worker in state.least_loaded(request.model, role, config.load_candidates, now):
-        chosen.setdefault(worker.worker_id, worker)
-    return list(chosen.values())
+    for role, group in chosen.items():
+        for worker in state.least_loaded(request.model, role, config.load_candidates, now):
+            group.setdefault(worker.worker_id, worker)
+    return {role: list(group.values()) for role, group in chosen.items()}
 
 
 def _options(
@@ -788,30 +834,25 @@ def _options(
     if mismatch is not None:
         return mismatch
     matched = prefix.overlaps(request.block_hashes) if request.block_hashes else {}
-    decoders = _candidates(state, request, matched, "decode", now)
+    candidates = _candidates(state, request, matched, now)
+    decoders = candidates["decode"]
     if not decoders:
         return NoPlacement("no_workers", f"no live decode worker serves model {request.model!r}")
-    prefillers = _candidates(state, request, matched, "prefill", now)
+    prefillers = candidates["prefill"]
     options: list[_Option] = []
     decode_sides = []
     for worker in decoders:
-        side = _side(worker, state, request, matched.get(worker.worker_id, 0), now, prefill=True)
+        side = _side(worker, state, request, matched.get(worker.worker_id, 0), now)
         options.append(_option(state, request, side, side, now))
         decode_sides.append(side)
     if prefillers:
         pairs = state.config.pair_candidates
         prefill_sides = sorted(
-            (_side(w, state, request, matched.get(w.worker_id, 0), now, prefill=True) for w in prefillers),
+            (_side(w, state, request, matched.get(w.worker_id, 0), now) for w in prefillers),
             key=lambda s: (s.ready_s, s.prefill_gpu_s * s.worker.price_per_hour),
         )[:pairs]
-        # Decode sides for a hand-off: the worker is ready when it has room for the KV.
-        handoff = sorted(
-            (
-                _side(s.worker, state, request, matched.get(s.worker.worker_id, 0), now, prefill=False)
-                for s in decode_sides
-            ),
-            key=lambda s: (s.ready_s, s.worker.price_per_hour),
-        )[:pairs]
+        # Decode workers for a hand-off: the soonest to have room for the KV.
+        handoff = sorted(decode_sides, key=lambda s: (s.kv_ready_s, s.worker.price_per_hour))[:pairs]
         for p in prefill_sides:
             for d in handoff:
                 options.append(_option(state, request, p, d, now))
