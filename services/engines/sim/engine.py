@@ -29,6 +29,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Literal
 
 from schemas.events import InferenceRequest, KvHandle
@@ -52,6 +53,13 @@ FINISHED_KEPT = 10_000
 _MASK64 = (1 << 64) - 1
 
 State = Literal["waiting", "running", "importing", "idle", "ready", "done"]
+
+
+@cache
+def _tokenizer() -> SimpleTokenizer:
+    """One word tokenizer for every engine in the process (it is read-only once built; a fleet
+    simulation builds a thousand engines)."""
+    return SimpleTokenizer()
 
 
 def _mix64(x: int) -> int:
@@ -179,7 +187,7 @@ class SimEngine:
             raise ValueError("max_batch_tokens and max_running must be at least 1")
         self.blocks = BlockManager(capacity // block_size, block_size)
         self.info = EngineInfo("sim", model, gpu_type, block_size, self.blocks.total_blocks)
-        self.tokenizer = SimpleTokenizer()
+        self.tokenizer = _tokenizer()
         self._words = self.tokenizer.word_ids
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
