@@ -460,31 +460,32 @@ class Simulator:
         if self._admit(req, now):
             self._route(req, now)
 
+    def _route_request(self, req: _RequestRun) -> RouteRequest:
+        """The request as the router sees it (and admission's prediction of its first token)."""
+        task_run = req.task_run
+        task, spec = task_run.task, req.spec
+        return RouteRequest(
+            request_id=req.rid,
+            tenant=task.tenant,
+            model=self.workload.model,
+            block_size=self.block_size,
+            block_hashes=spec.block_hashes,
+            prompt_tokens=spec.prompt_tokens,
+            max_tokens=spec.output_tokens,
+            priority=task.priority,
+            deadline_at=req.deadline_at,
+            workflow_id=task.task_id if task.workflow else None,
+            workflow_step=req.index if task.workflow else None,
+            workflow_steps=task.steps if task.workflow else None,
+            workflow_spent_usd=task_run.spend,
+        )
+
     def _route(self, req: _RequestRun, now: float) -> None:
         """Place an admitted request and hand it to its workers."""
-        task_run, spec, index, rid = req.task_run, req.spec, req.index, req.rid
-        task = task_run.task
+        spec, rid = req.spec, req.rid
         prompt, output = spec.prompt_tokens, spec.output_tokens
         self.prefix.now = now
-        placement = self.router(
-            self.router_state,
-            RouteRequest(
-                request_id=rid,
-                tenant=task.tenant,
-                model=self.workload.model,
-                block_size=self.block_size,
-                block_hashes=spec.block_hashes,
-                prompt_tokens=prompt,
-                max_tokens=output,
-                priority=task.priority,
-                deadline_at=req.deadline_at,
-                workflow_id=task.task_id if task.workflow else None,
-                workflow_step=index if task.workflow else None,
-                workflow_steps=task.steps if task.workflow else None,
-                workflow_spent_usd=task_run.spend,
-            ),
-            now,
-        )
+        placement = self.router(self.router_state, self._route_request(req), now)
         if isinstance(placement, NoPlacement):
             self._reject(req, "router", placement.reason, now)
             return
@@ -589,32 +590,11 @@ class Simulator:
 
     def _predict(self, request: AdmissionRequest) -> Prediction | None:
         """The router's prediction of the request's first token (earliest_ttft over the live
-        placements), and of its last at the fleet's fastest decode."""
-        req = self._admitting[request.request_id]
-        task_run = req.task_run
-        task = task_run.task
+        placements), and of its last at the time per token the fleet gives now."""
         now = self.now
         self.prefix.now = now
-        ttft = router_policy.earliest_ttft(
-            self.router_state,
-            RouteRequest(
-                request_id=req.rid,
-                tenant=task.tenant,
-                model=self.workload.model,
-                block_size=self.block_size,
-                block_hashes=req.spec.block_hashes,
-                prompt_tokens=request.input_tokens,
-                max_tokens=request.output_tokens,
-                priority=task.priority,
-                deadline_at=req.deadline_at,
-                workflow_id=request.workflow_id,
-                workflow_step=request.workflow_step,
-                workflow_steps=task.steps if task.workflow else None,
-                workflow_spent_usd=task_run.spend,
-            ),
-            self.prefix,
-            now,
-        )
+        route = self._route_request(self._admitting[request.request_id])
+        ttft = router_policy.earliest_ttft(self.router_state, route, self.prefix, now)
         return admission_policy.prediction(ttft, request, self.admission)
 
     def _admitted(self, req: _RequestRun, waited_s: float) -> None:
