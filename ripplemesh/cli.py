@@ -662,21 +662,31 @@ def simulate(
     help="Workloads to time (repeatable; default: all three).",
 )
 @click.option("--policy", default="ripplemesh", show_default=True, type=click.Choice(SIM_POLICIES))
+@click.option(
+    "--admission",
+    default="ripplemesh",
+    show_default=True,
+    help="The admission variant (as for simulate): ripplemesh, rate_limit or none.",
+)
 @click.option("--no-upper-bound", is_flag=True, help="Skip the infinite-cache bound (less memory).")
 def bench_simulator(
-    requests: int, workers: int, scenarios: tuple[str, ...], policy: str, no_upper_bound: bool
+    requests: int, workers: int, scenarios: tuple[str, ...], policy: str, admission: str, no_upper_bound: bool
 ) -> None:
     """The fleet simulator's speed: wall and CPU seconds for N requests on W workers."""
     from ripplemesh.bench.simulator import SCENARIOS, run_simulator_bench
 
-    run_simulator_bench(
-        console=Console(),
-        scenarios=scenarios or SCENARIOS,
-        requests=requests,
-        workers=workers,
-        policy=policy,
-        upper_bound=not no_upper_bound,
-    )
+    try:
+        run_simulator_bench(
+            console=Console(),
+            scenarios=scenarios or SCENARIOS,
+            requests=requests,
+            workers=workers,
+            policy=policy,
+            admission=admission,
+            upper_bound=not no_upper_bound,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @main.group()
