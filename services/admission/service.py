@@ -90,6 +90,7 @@ from services.admission.policy import (
 )
 from services.mesh.config import TenantConfig
 from services.mesh.consumer import Delivery
+from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import tracer
@@ -241,29 +242,12 @@ class AdmissionService:
     # ------------------------------------------------------------ the fleet's view
 
     async def _watch_workers(self) -> None:
-        """The WORKERS bucket, as the router watches it; a broken watch starts over."""
+        """The WORKERS bucket, watched as the router watches it (started again when it breaks or
+        falls silent)."""
         assert self.runtime is not None
-        while True:
-            watcher = None
-            try:
-                kv = await self.runtime.bus.key_value(WORKERS)
-                watcher = await kv.watchall()
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
-                    except TimeoutError:
-                        continue
-                    if entry is not None:
-                        self._on_worker(entry.key, entry.value, entry.operation)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("worker watch restarted", extra={"error": repr(exc)})
-                await asyncio.sleep(0.5)
-            finally:
-                if watcher is not None:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()  # type: ignore[no-untyped-call]
+        watch = HeartbeatWatch(await self.runtime.bus.key_value(WORKERS))
+        async for entry in watch.updates():
+            self._on_worker(entry.key, entry.value, entry.operation)
 
     def _on_worker(self, key: str, value: bytes | None, operation: str | None) -> None:
         if operation in ("DEL", "PURGE") or value is None:
