@@ -308,7 +308,7 @@ def submit(
     data_dir: Path | None,
 ) -> None:
     """Submit a prompt over NATS, as a tenant, and print its tokens as they stream."""
-    from ripplemesh.client import MeshClient, MeshError
+    from ripplemesh.client import MeshClient, MeshError, MeshUnavailable
     from services.mesh.nats_auth import CredentialsError, load_credentials, tenant_credentials_path
 
     if nats_credentials is None:
@@ -335,7 +335,7 @@ def submit(
 
     try:
         asyncio.run(go())
-    except MeshError as exc:
+    except (MeshError, MeshUnavailable) as exc:
         raise click.ClickException(str(exc)) from exc
 
 

@@ -38,7 +38,7 @@ from schemas.events import (
     new_event_id,
 )
 from schemas.subjects import request_subject, tokens_subject
-from services.mesh.bus import nats_servers, publish_acked, reconnecting_options
+from services.mesh.bus import TRANSIENT_ERRORS, nats_servers, publish_acked, reconnecting_options
 from services.mesh.nats_auth import NatsCredentials
 from services.mesh.token_stream import ReadBack, TokenStream
 from services.mesh.tracing import inject_headers
@@ -53,6 +53,12 @@ class MeshError(Exception):
         self.http_status = failure.http_status
         self.retry_after_s = failure.retry_after_s
         self.message = failure.message
+
+
+class MeshUnavailable(Exception):
+    """The mesh's NATS did not acknowledge the request (its stream without a leader, or no
+    server reachable) within the client's retries. Whether it was stored is unknown, so the
+    client also cancels it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +161,14 @@ class MeshClient:
         async with stream:
             # The caller's trace context (if it traces) becomes the request's parent.
             headers = inject_headers({"Nats-Msg-Id": submission.event_id})
-            await publish_acked(
-                self.nc.jetstream(), request_subject(self.tenant), encode_event(submission), headers
-            )
+            try:
+                await publish_acked(
+                    self.nc.jetstream(), request_subject(self.tenant), encode_event(submission), headers
+                )
+            except TRANSIENT_ERRORS as exc:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.cancel(request_id), timeout=5.0)
+                raise MeshUnavailable(f"request {request_id} not acknowledged by NATS: {exc!r}") from exc
             ended = False
             try:
                 async for event in stream.events():

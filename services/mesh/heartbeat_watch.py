@@ -34,7 +34,7 @@ class HeartbeatWatch:
         *,
         silent_after_s: float = 3.0,
         stale_after_s: float = 3.0,
-        confirm_s: float = 2.0,
+        confirm_s: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._kv = kv

@@ -78,6 +78,7 @@ from schemas.subjects import (
     tokens_subject,
     work_subject,
 )
+from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import REQUEST_ID, extract_context, tracer
 from services.router.liveness import GoneReason, Liveness
@@ -168,6 +169,7 @@ class Migrator:
         self._cancelled: OrderedDict[str, str] = OrderedDict()
         self._slots = asyncio.Semaphore(TAKEOVERS_IN_FLIGHT)
         self.outcomes: dict[str, int] = {}
+        self.workers_watch: HeartbeatWatch | None = None
 
     async def start(self) -> None:
         await self.runtime.bus.nc.subscribe(event_subject("cancelled"), cb=self._on_cancelled)
@@ -185,36 +187,23 @@ class Migrator:
     # ------------------------------------------------------------ liveness
 
     async def _watch(self) -> None:
-        kv = await self.runtime.bus.key_value(WORKERS)
-        while True:
-            watcher = await kv.watchall()
-            try:
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=5.0)
-                    except TimeoutError:
-                        continue
-                    if entry is None:
-                        continue  # the end of the initial values
-                    if entry.operation in ("DEL", "PURGE"):
-                        self.liveness.removed(entry.key, self.clock())
-                    elif entry.value:
-                        try:
-                            state = _worker_decoder.decode(entry.value)
-                        except (msgspec.DecodeError, msgspec.ValidationError):
-                            continue  # the router's own watch logs it
-                        self.liveness.heartbeat(
-                            state.worker_id, state.occurred_at, entry.revision or 0, state.draining
-                        )
-                    self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the watch broke (reconnect): start a new one
-                log.warning("migration's worker watch restarted", extra={"error": repr(exc)})
-                await asyncio.sleep(0.5)
-            finally:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
+        # Started again when it breaks or falls silent (its consumer lost with a NATS node);
+        # stale soon after a fleet-wide silence, before any worker's silence would count.
+        self.workers_watch = HeartbeatWatch(
+            await self.runtime.bus.key_value(WORKERS), stale_after_s=self.liveness.liveness_s / 2
+        )
+        async for entry in self.workers_watch.updates():
+            if entry.operation in ("DEL", "PURGE"):
+                self.liveness.removed(entry.key, self.clock())
+            elif entry.value:
+                try:
+                    state = _worker_decoder.decode(entry.value)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue  # the router's own watch logs it
+                self.liveness.heartbeat(
+                    state.worker_id, state.occurred_at, entry.revision or 0, state.draining
+                )
+            self._wake.set()
 
     async def _run(self) -> None:
         while True:
@@ -230,7 +219,11 @@ class Migrator:
 
     def _act(self, now: float) -> None:
         verdicts = self.liveness.verdicts(now)
-        for worker_id, revision in verdicts.lost:
+        # No heartbeat from anyone while WORKERS cannot be read (a NATS node lost, the bucket's
+        # stream electing a leader): silence is no evidence of death then (a probe's "no
+        # responders" still is).
+        view_stale = self.workers_watch is not None and self.workers_watch.stale
+        for worker_id, revision in [] if view_stale else verdicts.lost:
             if now - self._declare_tried.get(worker_id, -1.0) >= 0.5:
                 self._declare_tried[worker_id] = now
                 self.runtime.spawn(self._declare_lost(worker_id, revision, "silent"), "declare-lost")
