@@ -28,9 +28,14 @@ def chain_block_hashes(
         raise ValueError("block_size must be at least 1")
     parent = chain_seed(model, adapter)
     hashes: list[int] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = array("q", tokens[start : start + block_size]).tobytes()
-        digest = hashlib.blake2b(parent.to_bytes(_HASH_BYTES, "little") + block, digest_size=_HASH_BYTES)
+    full = len(tokens) // block_size * block_size
+    data = array("q", tokens[:full]).tobytes()  # every full block's tokens, 8 bytes each
+    width = block_size * 8
+    blake2b = hashlib.blake2b
+    for start in range(0, full * 8, width):
+        digest = blake2b(
+            parent.to_bytes(_HASH_BYTES, "little") + data[start : start + width], digest_size=_HASH_BYTES
+        )
         # 63 bits, so the value is a non-negative signed 64-bit integer in every language.
         parent = int.from_bytes(digest.digest(), "little") >> 1
         hashes.append(parent)

@@ -740,17 +740,24 @@ class SimWorker:
         seconds = cost.overhead + busy
         d0 = cost.overhead / decodes + (cost.alpha + cost.weights_s / decodes) * scale
         d1 = cost.beta * scale
-        ends = np.empty(bound + 1)
-        ends[0] = self._chunk_step_end
-        ends[1:] = seconds
-        np.cumsum(ends, out=ends)
-        applied = min(int(np.searchsorted(ends, now, side="right")), bound)
-        last = applied - 1
+        # Running sums, one row each, added up in order along the row by one cumsum: the steps'
+        # ends (from the end of the step in flight), then the worker's totals with the step in
+        # flight's terms and the next steps' after them.
+        sums = np.empty((5, bound + 1))
+        sums[0, 0] = self._chunk_step_end
+        sums[0, 1:] = seconds
         d0_now, d1_now, seconds_now = self._chunk_step
-        self.acc0 = _running_sum(self.acc0, d0_now, d0[:last])
-        self.acc1 = _running_sum(self.acc1, d1_now, d1[:last])
-        self.acc2 = _running_sum(self.acc2, d1_now * k0, d1[:last] * ks[:last])
-        self.busy_seconds = _running_sum(self.busy_seconds, seconds_now, seconds[:last])
+        sums[1:, 0] = (self.acc0, self.acc1, self.acc2, self.busy_seconds)
+        sums[1:, 1] = (d0_now, d1_now, d1_now * k0, seconds_now)
+        sums[1, 2:] = d0[:-1]
+        sums[2, 2:] = d1[:-1]
+        np.multiply(d1[:-1], ks[:-1], out=sums[3, 2:])
+        sums[4, 2:] = seconds[:-1]
+        sums.cumsum(axis=1, out=sums)
+        ends = sums[0]
+        applied = min(int(ends.searchsorted(now, side="right")), bound)
+        last = applied - 1
+        self.acc0, self.acc1, self.acc2, self.busy_seconds = sums[1:, applied].tolist()
         # The blocks the started steps' tokens cross into.
         groups = self.groups
         size = self.block_size
@@ -888,15 +895,6 @@ class SimWorker:
         if seq.dec:
             extra = (self.acc0 - seq.a0) + seq.base * (self.acc1 - seq.a1) + (self.acc2 - seq.a2)
         return seq.prefill_s + seq.decode_s + extra
-
-
-def _running_sum(total: float, first: float, rest: np.ndarray) -> float:
-    """total + first + rest[0] + rest[1] + ..., added in that order (as a loop would)."""
-    terms = np.empty(len(rest) + 2)
-    terms[0] = total
-    terms[1] = first
-    terms[2:] = rest
-    return float(np.cumsum(terms)[-1])
 
 
 def _order_of(seq: Seq) -> int:
