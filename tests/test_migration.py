@@ -41,8 +41,7 @@ from schemas.subjects import LIFECYCLE, WORKERS, event_subject, tokens_subject, 
 from services.ingress.prepare import ClientRequest, prepare
 from services.mesh.config import load_config
 from services.mesh.embedded_nats import free_port
-from services.mesh.token_stream import TokenStream
-from services.router.migration import read_stored
+from services.mesh.token_stream import TokenStream, stored_events
 from tests.conftest import TEST_CONFIG, TEST_KEY, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -491,7 +490,7 @@ async def test_an_http_client_that_disconnects_frees_the_gpu_within_a_second(
     await asyncio.to_thread(wait_until, lambda: engine_idle(fleet, worker), 1.0, 0.02)
     freed_in = time.time() - hung_up
     # Nothing generated for nobody: no token published a second after the hang-up.
-    stored = await read_stored(nc, tokens_subject("acme", request_id))
+    stored = await stored_events(nc, tokens_subject("acme", request_id))
     chunks = [e for e in stored if isinstance(e, TokenChunk)]
     assert chunks and max(c.occurred_at for c in chunks) < hung_up + 1.0
     assert not any(isinstance(e, StreamFinished) for e in stored)

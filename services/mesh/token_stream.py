@@ -26,6 +26,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 
 from schemas.events import StreamFailed, StreamFinished, TokenChunk, TokenEvent
 from schemas.subjects import TOKENS
@@ -164,21 +165,37 @@ class TokenStream:
         return events
 
 
-async def stored_messages(nc: NatsClient, subject: str, *, quiet_s: float = 0.5) -> list[Msg]:
-    """Every message of one request's token subject kept on the TOKENS stream, in stream order
-    (an ordered consumer: the JetStream API, which services have and tenants do not)."""
-    js = nc.jetstream(timeout=5)
+async def stored_messages(nc: NatsClient, subject: str, *, timeout_s: float = 5.0) -> list[Msg]:
+    """Every message of one request's token subject the TOKENS stream holds, in stream order, up
+    to the last one stored when called: an ordered consumer (the JetStream API, which services
+    have and tenants do not) bounded by that message and by `timeout_s` (TimeoutError past it)."""
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        last = await js.get_last_msg(TOKENS.name, subject)
+    except NotFoundError:
+        return []
     messages: list[Msg] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     sub = await js.subscribe(subject, stream=TOKENS.name, ordered_consumer=True)
     try:
         while True:
-            try:
-                messages.append(await sub.next_msg(timeout=quiet_s))
-            except TimeoutError:
+            msg = await sub.next_msg(timeout=max(0.01, deadline - loop.time()))
+            messages.append(msg)
+            if msg.metadata.sequence.stream >= (last.seq or 0):
                 return messages
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def stored_events(nc: NatsClient, subject: str, *, timeout_s: float = 5.0) -> list[TokenEvent]:
+    """`stored_messages`, decoded; a malformed message is skipped."""
+    events: list[TokenEvent] = []
+    for msg in await stored_messages(nc, subject, timeout_s=timeout_s):
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            events.append(_decoder.decode(msg.data))
+    return events
 
 
 def is_final(event: TokenEvent) -> bool:

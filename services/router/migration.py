@@ -41,7 +41,6 @@ from typing import Any, Literal
 
 import msgspec
 import nats.js.api as jsapi
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js.errors import BadRequestError, NotFoundError
@@ -58,7 +57,6 @@ from schemas.events import (
     RequestMigrated,
     StreamFailed,
     StreamFinished,
-    TokenChunk,
     WorkerControl,
     WorkerState,
     WorkItem,
@@ -68,7 +66,6 @@ from schemas.events import (
 )
 from schemas.subjects import (
     PREFIX,
-    TOKENS,
     WORK,
     WORKERS,
     admitted_subject,
@@ -80,6 +77,7 @@ from schemas.subjects import (
 )
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.runtime import Runtime
+from services.mesh.token_stream import stored_events
 from services.mesh.tracing import REQUEST_ID, extract_context, tracer
 from services.router.liveness import GoneReason, Liveness
 from services.router.resume import AlreadyEnded, FinishNow, GiveUp, Resume, delivered, plan
@@ -115,37 +113,10 @@ DETECTION = Histogram(
 )
 
 _work_decoder: msgspec.json.Decoder[WorkItem] = msgspec.json.Decoder(WorkItem)
-_token_decoder = msgspec.json.Decoder(TokenChunk | StreamFinished | StreamFailed)
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _cancel_decoder = msgspec.json.Decoder(RequestCancelled)
 
 _REASON_TEXT: dict[GoneReason, str] = {"worker_lost": "was lost", "worker_drained": "was drained"}
-
-
-async def read_stored(
-    nc: NatsClient, subject: str, *, timeout_s: float = READ_TIMEOUT_S
-) -> list[TokenChunk | StreamFinished | StreamFailed]:
-    """Every event of one token subject the TOKENS stream holds, in stream order, up to the last
-    one stored when called: an ordered consumer bounded by that message and by `timeout_s`."""
-    js = nc.jetstream(timeout=timeout_s)
-    try:
-        last = await js.get_last_msg(TOKENS.name, subject)
-    except NotFoundError:
-        return []
-    events: list[TokenChunk | StreamFinished | StreamFailed] = []
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    sub = await js.subscribe(subject, stream=TOKENS.name, ordered_consumer=True)
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=max(0.01, deadline - loop.time()))
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                events.append(_token_decoder.decode(msg.data))
-            if msg.metadata.sequence.stream >= (last.seq or 0):
-                return events
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
 
 
 class Migrator:
@@ -394,7 +365,8 @@ class Migrator:
         if self._cancelled.get(rid) == request.tenant:
             await self._delete(raw)
             return "cancelled"
-        got = delivered(request, await read_stored(bus.nc, tokens_subject(request.tenant, rid)))
+        stored = await stored_events(bus.nc, tokens_subject(request.tenant, rid), timeout_s=READ_TIMEOUT_S)
+        got = delivered(request, stored)
         decision = plan(
             request,
             got,
