@@ -64,14 +64,21 @@ async def test_one_request_is_one_trace_across_every_service(mesh: Mesh) -> None
         )
     assert response.status_code == 200, response.text
     request_id = response.json()["id"].removeprefix("chatcmpl-")
-    wanted = {"ingress", "admission", "router", "prefill", "decode", "ledger"}
 
     def spans():  # type: ignore[no-untyped-def]
         found = load_request_trace(mesh.data_dir, request_id)
         services = {s["service"].removeprefix("ripplemesh-") for s in found}
+        # The prefill service is on the trace when the router disaggregated; aggregated, the
+        # decode worker ran the prefill too.
+        modes = {s["attributes"].get("ripple.router.mode") for s in found if s["name"] == "router.decide"}
+        wanted = {"ingress", "admission", "router", "decode", "ledger"}
+        if modes and not modes <= {"aggregated", "disaggregated"}:
+            raise AssertionError(f"the router.decide span names no serving mode: {modes}")
+        if "disaggregated" in modes:
+            wanted.add("prefill")
         # The HTTP span ends last, after the response body is sent.
         has_root = any(s["name"] == "POST /v1/chat/completions" for s in found)
-        return found if wanted <= services and has_root else None
+        return found if modes and wanted <= services and has_root else None
 
     found = wait_until(spans, timeout_s=15)
     assert len({s["trace_id"] for s in found}) == 1
