@@ -22,6 +22,7 @@ from services.admission.policy import (
     Defer,
     FleetLoad,
     Prediction,
+    QuotaLease,
     Reject,
     TenantQuota,
     TenantUsage,
@@ -30,10 +31,14 @@ from services.admission.policy import (
     drain,
     expire,
     fleet_load,
+    leasable,
+    lease_slice,
     next_due,
     observe_fleet,
     release,
+    return_lease,
     saturation,
+    take_lease,
     take_outcomes,
     workflow_standing,
 )
@@ -188,6 +193,61 @@ def test_charging_a_redelivered_request_twice_is_a_no_op() -> None:
     assert charge_quota(usage, quota, again, LIMITS, 0.0) is None
     assert charge_quota(usage, quota, again, LIMITS, 0.0) is None
     assert usage.buckets["requests"].level == 0.0
+
+
+def _admit_leased(
+    usage: TenantUsage, lease: QuotaLease, quota: TenantQuota, r: AdmissionRequest, now: float
+) -> bool:
+    """A replica's charge: from its lease, else a new slice of the shared usage."""
+    if lease.spend(r, now):
+        return True
+    taken = take_lease(usage, quota, r, lease_slice(quota, 0.2), now)
+    if isinstance(taken, Reject):
+        return False
+    lease.add(taken)
+    assert lease.spend(r, now)
+    return True
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 2), st.floats(0.0, 0.5), st.integers(1, 400)), min_size=1, max_size=120
+    )
+)
+def test_leases_across_replicas_never_admit_more_than_the_shared_buckets_allow(
+    arrivals: list[tuple[int, float, int]],
+) -> None:
+    quota = TenantQuota(requests_per_s=20.0, request_burst=10.0, tokens_per_s=2000.0, token_burst=3000.0)
+    assert leasable(quota)
+    usage, leases = TenantUsage(), [QuotaLease() for _ in range(3)]
+    now, admitted, tokens = 0.0, 0, 0
+    for replica, gap, size in arrivals:
+        now += gap
+        r = request(tokens=(size, size))
+        if _admit_leased(usage, leases[replica], quota, r, now):
+            admitted, tokens = admitted + 1, tokens + r.tokens
+        # Whatever the replicas hold or spent, the shared state allows no more than burst + refill.
+        assert admitted <= 10.0 + 20.0 * now + 1e-6
+        assert tokens <= 3000.0 + 2000.0 * now + 1e-6
+    for lease in leases:  # unspent remainders go back, never above capacity
+        return_lease(usage, quota, lease.take_all(), now)
+    assert all(b.level <= b.capacity for b in usage.buckets.values())
+
+
+def test_a_returned_lease_is_available_to_another_replica() -> None:
+    quota = TenantQuota(requests_per_s=0.01, request_burst=10.0)
+    assert lease_slice(quota, 0.2) == {"requests": pytest.approx(0.002)}  # slow tenants: one at a time
+    quota = TenantQuota(requests_per_s=50.0, request_burst=10.0)
+    usage, first, second = TenantUsage(), QuotaLease(), QuotaLease()
+    assert _admit_leased(usage, first, quota, request(), 0.0)
+    assert first.amounts == {"requests": pytest.approx(9.0)}  # a slice of 10: one spent
+    assert usage.buckets["requests"].level == pytest.approx(0.0)
+    rejected = take_lease(usage, quota, request(), lease_slice(quota, 0.2), 0.0)
+    assert isinstance(rejected, Reject) and rejected.reason == "quota"
+    return_lease(usage, quota, first.take_all(), 0.0)
+    assert _admit_leased(usage, second, quota, request(), 0.0)
+    assert not leasable(TenantQuota(requests_per_s=1.0, max_concurrency=3))  # a cap: per request
 
 
 # ------------------------------------------------------------------ priority and shedding

@@ -299,17 +299,12 @@ def _asked(name: str, request: AdmissionRequest) -> float:
     return float(request.tokens)
 
 
-def charge_quota(
-    usage: TenantUsage, quota: TenantQuota, request: AdmissionRequest, limits: AdmissionLimits, now: float
-) -> Reject | None:
-    """Charge the request to the tenant's buckets and take a concurrency lease, or reject it with
-    the retry-after its buckets give. Charging the same request twice (a redelivery) is a no-op."""
-    if request.request_id in usage.in_flight:
-        return None
+def _synced_buckets(usage: TenantUsage, quota: TenantQuota, now: float) -> list[tuple[str, Bucket]]:
+    """The tenant's limited buckets, brought to the configuration and refilled to `now`."""
     configured = list(quota.buckets())
     for name in [n for n in usage.buckets if n not in {c[0] for c in configured}]:
         del usage.buckets[name]  # the limit was lifted
-    wait = 0.0
+    synced = []
     for name, rate, capacity in configured:
         bucket = usage.buckets.get(name)
         if bucket is None:
@@ -318,19 +313,43 @@ def charge_quota(
             bucket.rate, bucket.capacity = rate, capacity
             bucket.level = min(bucket.level, capacity)
         bucket.refill(now)
+        synced.append((name, bucket))
+    return synced
+
+
+def _shortfall(
+    buckets: list[tuple[str, Bucket]], quota: TenantQuota, request: AdmissionRequest
+) -> Reject | None:
+    """Over quota (with the retry-after its buckets give), or None when every bucket holds enough."""
+    wait = 0.0
+    for name, bucket in buckets:
         needed = _asked(name, request)
         wait_here = bucket.wait_for(needed)
         if wait_here == math.inf:
             return Reject(
                 "quota",
                 f"the request asks {needed:.0f} {name.replace('_', ' ')}, more than tenant "
-                f"{request.tenant!r}'s burst of {capacity:.0f}",
+                f"{request.tenant!r}'s burst of {bucket.capacity:.0f}",
                 None,
             )
         wait = max(wait, wait_here)
     if wait > 0:
-        limited = ", ".join(f"{rate:g} {name.replace('_', ' ')}/s" for name, rate, _ in configured)
+        limited = ", ".join(f"{rate:g} {name.replace('_', ' ')}/s" for name, rate, _ in quota.buckets())
         return Reject("quota", f"tenant {request.tenant!r} is over its quota ({limited})", wait)
+    return None
+
+
+def charge_quota(
+    usage: TenantUsage, quota: TenantQuota, request: AdmissionRequest, limits: AdmissionLimits, now: float
+) -> Reject | None:
+    """Charge the request to the tenant's buckets and take a concurrency lease, or reject it with
+    the retry-after its buckets give. Charging the same request twice (a redelivery) is a no-op."""
+    if request.request_id in usage.in_flight:
+        return None
+    buckets = _synced_buckets(usage, quota, now)
+    rejected = _shortfall(buckets, quota, request)
+    if rejected is not None:
+        return rejected
     for lapsed in [r for r, until in usage.in_flight.items() if until <= now]:
         del usage.in_flight[lapsed]
     if quota.max_concurrency is not None and len(usage.in_flight) >= quota.max_concurrency:
@@ -340,14 +359,86 @@ def charge_quota(
             f"concurrency cap is {quota.max_concurrency}",
             limits.concurrency_retry_after_s,
         )
-    for name, _, _ in configured:
-        usage.buckets[name].level -= _asked(name, request)
+    for name, bucket in buckets:
+        bucket.level -= _asked(name, request)
     if quota.max_concurrency is not None:
         lease = now + limits.lease_s
         if request.deadline_at is not None:
             lease = min(lease, request.deadline_at + 1.0)
         usage.in_flight[request.request_id] = lease
     return None
+
+
+# A replica's quota lease: a slice of the tenant's shared buckets taken in advance (counted as
+# consumed there) and spent locally, request by request, with no shared write per request.
+# Leasing applies to tenants without a concurrency cap (a cap needs each request's own entry).
+
+
+def leasable(quota: TenantQuota) -> bool:
+    """Whether the tenant's requests can be charged to a local lease."""
+    return quota.max_concurrency is None and any(True for _ in quota.buckets())
+
+
+def lease_slice(quota: TenantQuota, lease_s: float) -> dict[str, float]:
+    """How much of each bucket a replica takes at a time: `lease_s` seconds of its rate."""
+    return {name: rate * lease_s for name, rate, _ in quota.buckets()}
+
+
+def take_lease(
+    usage: TenantUsage,
+    quota: TenantQuota,
+    request: AdmissionRequest,
+    want: dict[str, float],
+    now: float,
+) -> Reject | dict[str, float]:
+    """Take a slice of the shared buckets: at least what `request` asks, up to `want` of each
+    bucket as far as its level allows. Over quota: the rejection `charge_quota` would give."""
+    buckets = _synced_buckets(usage, quota, now)
+    rejected = _shortfall(buckets, quota, request)
+    if rejected is not None:
+        return rejected
+    taken = {}
+    for name, bucket in buckets:
+        amount = max(_asked(name, request), min(want.get(name, 0.0), bucket.level))
+        bucket.level -= amount
+        taken[name] = amount
+    return taken
+
+
+def return_lease(usage: TenantUsage, quota: TenantQuota, amounts: dict[str, float], now: float) -> None:
+    """Give a lease's unspent remainder back to the shared buckets (never above their capacity)."""
+    for name, bucket in _synced_buckets(usage, quota, now):
+        bucket.level = min(bucket.capacity, bucket.level + amounts.get(name, 0.0))
+
+
+@dataclass(slots=True)
+class QuotaLease:
+    """What a replica holds of a tenant's buckets, and when it last spent from it."""
+
+    amounts: dict[str, float] = field(default_factory=dict)
+    spent_at: float = 0.0
+
+    def add(self, taken: dict[str, float]) -> None:
+        for name, amount in taken.items():
+            self.amounts[name] = self.amounts.get(name, 0.0) + amount
+
+    def spend(self, request: AdmissionRequest, now: float) -> bool:
+        """Charge the request to the lease if it holds enough of every bucket it was taken from."""
+        asked = {name: _asked(name, request) for name in self.amounts}
+        if not self.amounts or any(self.amounts[name] < amount for name, amount in asked.items()):
+            return False
+        for name, amount in asked.items():
+            self.amounts[name] -= amount
+        self.spent_at = now
+        return True
+
+    def running_low(self, slice_: dict[str, float]) -> bool:
+        """Under half a slice of some bucket left: time to take more before it runs out."""
+        return any(self.amounts.get(name, 0.0) < amount / 2 for name, amount in slice_.items())
+
+    def take_all(self) -> dict[str, float]:
+        amounts, self.amounts = self.amounts, {}
+        return amounts
 
 
 def release_quota(usage: TenantUsage, request_id: str) -> bool:

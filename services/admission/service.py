@@ -69,6 +69,7 @@ from services.admission.policy import (
     Decision,
     Defer,
     Prediction,
+    QuotaLease,
     Reject,
     TenantQuota,
     TenantUsage,
@@ -76,6 +77,8 @@ from services.admission.policy import (
     drain,
     expire,
     fleet_load,
+    leasable,
+    lease_slice,
     next_due,
     note_admitted,
     note_finished,
@@ -83,7 +86,9 @@ from services.admission.policy import (
     offer,
     prediction,
     release_quota,
+    return_lease,
     saturation,
+    take_lease,
     take_outcomes,
     validate,
     workflow_standing,
@@ -132,6 +137,10 @@ STANDING = {CONTINUATION: "continuation", DOOMED: "doomed"}
 REFRESH_S = 0.5
 HEARTBEAT_S = 1.0
 CAS_ATTEMPTS = 8
+# A replica leases this many seconds of a tenant's rates at a time (see QuotaLease), and gives
+# back what it holds once the tenant has sent it nothing for LEASE_IDLE_S.
+LEASE_S = 0.2
+LEASE_IDLE_S = 1.0
 OWN_IDS_KEPT = 20_000
 
 _usage_decoder = msgspec.json.Decoder(TenantUsage)
@@ -178,6 +187,9 @@ class AdmissionService:
         # One charge at a time per tenant in this replica: its own handlers never race each other
         # for the entry (compare-and-set settles the races between replicas).
         self._tenant_locks: dict[str, asyncio.Lock] = {}
+        # tenant -> this replica's lease of its buckets (tenants without a concurrency cap).
+        self._leases: dict[str, QuotaLease] = {}
+        self._topping_up: set[str] = set()
         self._waiters: dict[str, asyncio.Future[Admit | Reject]] = {}
         self._requests: dict[str, InferenceRequest] = {}  # deferred (and being decided)
         self._wake = asyncio.Event()
@@ -212,6 +224,7 @@ class AdmissionService:
         ]
         runtime.spawn(self._refresh_loop(), "admission-refresh")
         runtime.spawn(self._drain_loop(), "admission-drain")
+        runtime.spawn(self._lease_loop(), "admission-leases")
         # Deferred requests hold their messages: room for a full queue and the requests in hand.
         await runtime.consume(
             ADMISSION_CONSUMER,
@@ -224,6 +237,9 @@ class AdmissionService:
         for subscription in self._subscriptions:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+        for tenant in list(self._leases):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._return_lease(tenant), timeout=2.0)
 
     def routes(self) -> list[BaseRoute]:
         return []
@@ -448,18 +464,18 @@ class AdmissionService:
         self._recent_admitted.append(now)
         if self.limits.control != "ripplemesh":
             note_admitted(self.state)  # drain counts its own admissions
-        await asyncio.gather(
-            self.runtime.bus.publish(
-                admitted_subject(request.priority),
-                RequestAdmitted(
-                    event_id=event_id,
-                    occurred_at=now,
-                    request=request,
-                    waited_s=max(0.0, now - request.submitted_at),
-                ),
+        # The router waits on the admission; the decision's record is for the ledger: it goes out
+        # second, without holding the admission back.
+        await self.runtime.bus.publish(
+            admitted_subject(request.priority),
+            RequestAdmitted(
+                event_id=event_id,
+                occurred_at=now,
+                request=request,
+                waited_s=max(0.0, now - request.submitted_at),
             ),
-            self._record(event, admission, "admitted", decision.reason, waited_s=decision.waited_s),
         )
+        await self._record(event, admission, "admitted", decision.reason, waited_s=decision.waited_s)
 
     async def _record(
         self,
@@ -550,10 +566,84 @@ class AdmissionService:
             return TenantUsage()
 
     async def _charge(self, admission: AdmissionRequest, quota: TenantQuota, now: float) -> Reject | None:
-        """The tenant's shared buckets and leases, charged with compare-and-set."""
+        """The tenant's shared buckets and leases, charged with compare-and-set; for a tenant
+        without a concurrency cap, charged to this replica's lease of its buckets."""
         tenant = admission.tenant
+        if leasable(quota):
+            lease = self._leases.get(tenant)
+            if lease is None or not lease.spend(admission, now):
+                async with self._lock(tenant):
+                    lease = self._leases.setdefault(tenant, QuotaLease())
+                    if not lease.spend(admission, now):
+                        rejected = await self._take_lease(admission, quota, now)
+                        if rejected is not None:
+                            return rejected
+                        spent = lease.spend(admission, now)
+                        assert spent, "a lease taken for a request holds what it asks"
+            if lease.running_low(lease_slice(quota, LEASE_S)) and tenant not in self._topping_up:
+                self._topping_up.add(tenant)
+                assert self.runtime is not None
+                self.runtime.spawn(self._top_up(admission, quota), f"lease-{tenant}")
+            return None
         async with self._lock(tenant):
             return await self._charge_locked(admission, quota, now)
+
+    async def _take_lease(self, admission: AdmissionRequest, quota: TenantQuota, now: float) -> Reject | None:
+        """Take a slice of the tenant's shared buckets into its lease (compare-and-set, locked):
+        at least what `admission` asks, or the quota's rejection."""
+        tenant = admission.tenant
+        want = lease_slice(quota, LEASE_S)
+        for _ in range(CAS_ATTEMPTS):
+            cached = self._usage.get(tenant)
+            revision, value = cached if cached is not None else await self._read_usage(tenant)
+            usage = self._decoded(value)
+            taken = take_lease(usage, quota, admission, want, now)
+            if isinstance(taken, Reject):
+                return taken
+            if await self._write_usage(tenant, revision, _encoder.encode(usage)):
+                self._leases.setdefault(tenant, QuotaLease()).add(taken)
+                return None
+        return Reject("capacity", f"tenant {tenant!r}'s quota state is contended; try again", 0.5)
+
+    async def _top_up(self, admission: AdmissionRequest, quota: TenantQuota) -> None:
+        """In the background, before the lease runs out: another slice (nothing if none is left)."""
+        try:
+            async with self._lock(admission.tenant):
+                lease = self._leases.get(admission.tenant)
+                if lease is not None and lease.running_low(lease_slice(quota, LEASE_S)):
+                    await self._take_lease(admission, quota, time.time())
+        except Exception as exc:  # the next request takes its slice on its own path
+            log.warning("quota lease not topped up", extra={"tenant": admission.tenant, "error": repr(exc)})
+        finally:
+            self._topping_up.discard(admission.tenant)
+
+    async def _return_lease(self, tenant: str) -> None:
+        """Give the lease's unspent remainder back to the tenant's shared buckets."""
+        quota = self._quotas.get(tenant)
+        async with self._lock(tenant):
+            lease = self._leases.pop(tenant, None)
+            if lease is None or quota is None or not any(lease.amounts.values()):
+                return
+            amounts = lease.take_all()
+            for _ in range(CAS_ATTEMPTS):
+                cached = self._usage.get(tenant)
+                revision, value = cached if cached is not None else await self._read_usage(tenant)
+                usage = self._decoded(value)
+                return_lease(usage, quota, amounts, time.time())
+                if await self._write_usage(tenant, revision, _encoder.encode(usage)):
+                    return
+
+    async def _lease_loop(self) -> None:
+        """Leases of tenants that went quiet go back, so other replicas can use them."""
+        while True:
+            await asyncio.sleep(LEASE_IDLE_S / 2)
+            now = time.time()
+            for tenant, lease in list(self._leases.items()):
+                if now - lease.spent_at >= LEASE_IDLE_S and tenant not in self._topping_up:
+                    try:
+                        await self._return_lease(tenant)
+                    except Exception as exc:  # kept as consumed: the quota errs on the strict side
+                        log.warning("quota lease not returned", extra={"tenant": tenant, "error": repr(exc)})
 
     def _lock(self, tenant: str) -> asyncio.Lock:
         lock = self._tenant_locks.get(tenant)
