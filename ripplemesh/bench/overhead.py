@@ -26,6 +26,7 @@ from rich.table import Table
 
 from ripplemesh.client import MeshClient
 from ripplemesh.launcher import Mesh
+from schemas.events import StreamFailed, TokenChunk
 from services.mesh.embedded_nats import EmbeddedNats, free_port
 
 # Messages on the path to the first token: client -> ingress -> admission -> router -> prefill
@@ -73,10 +74,19 @@ async def _measure(
     async with MeshClient(url, "demo", first_token_timeout_s=30) as client:
 
         async def mesh_ttft(i: int) -> float:
+            # Timed to the first token, then read to its end as a client does: leaving after the
+            # first token would cancel every request, a cancellation's work the mesh does not do
+            # for a request that completes.
             started = time.perf_counter()
-            async for _ in client.stream(prompt=f"overhead probe {i}", max_tokens=1):
-                return time.perf_counter() - started
-            raise RuntimeError("no token")
+            first: float | None = None
+            async for event in client.events(prompt=f"overhead probe {i}", max_tokens=1):
+                if isinstance(event, TokenChunk) and first is None:
+                    first = time.perf_counter() - started
+                elif isinstance(event, StreamFailed):
+                    raise RuntimeError(f"request failed: {event.code}: {event.message}")
+            if first is None:
+                raise RuntimeError("no token")
+            return first
 
         # Warm up connections, consumers and code paths before measuring.
         for i in range(10):
