@@ -424,12 +424,24 @@ class AdmissionService:
         assert self.runtime is not None
         request = event.request
         admission = self._admission_request(request)
-        with tracer().start_as_current_span("admission.decide") as span:
-            decision = await self._decide(request, admission, time.time())
+        span = tracer().start_span("admission.decide")
+        decided_ns: int | None = None
+        admitted_now = False
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                decision = await self._decide(request, admission, time.time())
+            decided_ns = time.time_ns()
+            if isinstance(decision, Admit):
+                # The router waits on it: out before the decision's span (which covers the
+                # decision alone) and its record.
+                await self._publish_admitted(event)
+                admitted_now = True
             span.set_attribute("ripple.admission.outcome", decision.outcome)
             span.set_attribute("ripple.tenant", request.tenant)
             span.set_attribute("ripple.admission.saturation", self.state.saturation)
             span.set_attribute("ripple.admission.standing", STANDING.get(admission.workflow_standing, "new"))
+        finally:
+            span.end(end_time=decided_ns)
         if isinstance(decision, Defer):
             DECISIONS.labels(request.tenant, "defer", decision.reason).inc()
             held = self.state.deferred.get(request.request_id)
@@ -451,9 +463,11 @@ class AdmissionService:
             await self._reject(event, decision)
             return
         DECISIONS.labels(request.tenant, "admit", decision.reason).inc()
-        await self._admit(event, admission, decision)
+        if not admitted_now:
+            await self._publish_admitted(event)
+        await self._record(event, admission, "admitted", decision.reason, waited_s=decision.waited_s)
 
-    async def _admit(self, event: RequestPrepared, admission: AdmissionRequest, decision: Admit) -> None:
+    async def _publish_admitted(self, event: RequestPrepared) -> None:
         assert self.runtime is not None
         request = event.request
         now = time.time()
@@ -464,8 +478,6 @@ class AdmissionService:
         self._recent_admitted.append(now)
         if self.limits.control != "ripplemesh":
             note_admitted(self.state)  # drain counts its own admissions
-        # The router waits on the admission; the decision's record is for the ledger: it goes out
-        # second, without holding the admission back.
         await self.runtime.bus.publish(
             admitted_subject(request.priority),
             RequestAdmitted(
@@ -475,7 +487,6 @@ class AdmissionService:
                 waited_s=max(0.0, now - request.submitted_at),
             ),
         )
-        await self._record(event, admission, "admitted", decision.reason, waited_s=decision.waited_s)
 
     async def _record(
         self,

@@ -12,6 +12,7 @@ import uuid
 from typing import Any, ClassVar
 
 import msgspec
+from opentelemetry import trace
 from prometheus_client import Counter, Gauge
 from starlette.routing import BaseRoute
 
@@ -192,29 +193,50 @@ class RouterService:
         workflow_id = request.workflow.workflow_id if request.workflow is not None else None
         spent = self.workflow_spend.spent(workflow_id) if self.workflow_spend is not None else 0.0
         route = route_request(request, spent)
-        with tracer().start_as_current_span("router.decide") as span:
-            while True:
-                decided_at = time.time()
-                started = time.perf_counter()
-                decision = place(
-                    self.state,
-                    route,
-                    self.kv_index if self.kv_index is not None else NoPrefix(),
-                    decided_at,
-                )
-                decision_s = time.perf_counter() - started
-                if not (isinstance(decision, NoPlacement) and decision.reason == "no_workers"):
-                    break
-                remaining = give_up_at - loop.time()
-                if remaining <= 0 and self.workers_watch is not None and self.workers_watch.stale:
-                    # No heartbeat from anyone and WORKERS unreadable (a NATS node lost, its
-                    # stream electing a leader): the fleet is not known dead; wait for the view.
-                    remaining = stale_give_up_at - loop.time()
-                if remaining <= 0:
-                    break
-                self._workers_changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._workers_changed.wait(), timeout=min(remaining, 0.25))
+        decide_started_ns = time.time_ns()
+        while True:
+            decided_at = time.time()
+            started = time.perf_counter()
+            decision = place(
+                self.state,
+                route,
+                self.kv_index if self.kv_index is not None else NoPrefix(),
+                decided_at,
+            )
+            decision_s = time.perf_counter() - started
+            if not (isinstance(decision, NoPlacement) and decision.reason == "no_workers"):
+                break
+            remaining = give_up_at - loop.time()
+            if remaining <= 0 and self.workers_watch is not None and self.workers_watch.stale:
+                # No heartbeat from anyone and WORKERS unreadable (a NATS node lost, its
+                # stream electing a leader): the fleet is not known dead; wait for the view.
+                remaining = stale_give_up_at - loop.time()
+            if remaining <= 0:
+                break
+            self._workers_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._workers_changed.wait(), timeout=min(remaining, 0.25))
+        decide_ended_ns = time.time_ns()
+        now = decided_at  # PrefillWork's time is the decision's: the prediction's TTFT counts from it
+        chosen = reporting.chosen_option(decision) if not isinstance(decision, NoPlacement) else None
+        if not isinstance(decision, NoPlacement):
+            assert chosen is not None
+            # The work first: the first token waits on it. The decision's span and records are
+            # bookkeeping, done once it is on its way.
+            await self.runtime.bus.publish(
+                work_subject("prefill", decision.prefill_worker),
+                PrefillWork(
+                    event_id=derived_event_id(event.event_id, "prefill"),
+                    occurred_at=now,
+                    request=request,
+                    prefill_worker=decision.prefill_worker,
+                    decode_worker=decision.decode_worker,
+                    prediction=chosen,
+                ),
+            )
+        # The decision's span covers the decision alone (its times), whenever it is recorded.
+        span = tracer().start_span("router.decide", start_time=decide_started_ns)
+        try:
             policy = decision.policy if not isinstance(decision, NoPlacement) else POLICY
             span.set_attributes(
                 reporting.span_attributes(
@@ -237,25 +259,16 @@ class RouterService:
             )
             reporting.count_decision(record)
             if isinstance(decision, NoPlacement):
-                await self._reject(event, decision)
-                await self.runtime.bus.publish(event_subject("route_decision"), record)
+                with trace.use_span(span, end_on_exit=False):
+                    await self._reject(event, decision)
+                    await self.runtime.bus.publish(event_subject("route_decision"), record)
                 return
             self._record_cached_prefix(span, request)
-        now = decided_at  # PrefillWork's time is the decision's: the prediction's TTFT counts from it
+        finally:
+            span.end(end_time=decide_ended_ns)
         PLACEMENTS.labels(decision.mode).inc()
-        assert record.chosen is not None
-        self.predictions.record(request.request_id, record.chosen, decided_at)
-        await self.runtime.bus.publish(
-            work_subject("prefill", decision.prefill_worker),
-            PrefillWork(
-                event_id=derived_event_id(event.event_id, "prefill"),
-                occurred_at=now,
-                request=request,
-                prefill_worker=decision.prefill_worker,
-                decode_worker=decision.decode_worker,
-                prediction=record.chosen,
-            ),
-        )
+        assert chosen is not None
+        self.predictions.record(request.request_id, chosen, decided_at)
         routed = RequestRouted(
             event_id=derived_event_id(event.event_id, "routed"),
             occurred_at=now,
