@@ -258,6 +258,7 @@ class SimWorker:
         self.gpu_type = engine.info.gpu_type
         self.perf: PerfModel = engine.perf
         self.blocks: BlockManager = engine.blocks
+        self.blocks.record_events = False  # the simulator's prefix view reads the caches themselves
         self.block_size = engine.info.block_size
         self.max_batch_tokens = engine.max_batch_tokens
         self.max_running = engine.max_running

@@ -75,6 +75,9 @@ class BlockManager:
         self._evictable = 0
         self._holdings: dict[str, _Holding] = {}
         self._events: list[KvBlockEvent] = []
+        # Whether to keep "stored"/"removed" events for `drain_events` (an engine publishes them;
+        # the fleet simulator reads the caches themselves and turns them off).
+        self.record_events = True
 
     # ------------------------------------------------------------ queries
 
@@ -222,7 +225,7 @@ class BlockManager:
                 else:
                     refs[block_hash] = 1
                     stored.append(block_hash)
-        if stored:
+        if stored and self.record_events:
             self._events.append(KvBlockEvent("stored", tuple(stored)))
 
     def free(self, seq_id: str) -> None:
@@ -265,7 +268,8 @@ class BlockManager:
             evicted = self._evict(short)
             _consume(map(self._refs.__delitem__, evicted))
             self._free += short
-            self._events.append(KvBlockEvent("removed", tuple(evicted)))
+            if self.record_events:
+                self._events.append(KvBlockEvent("removed", tuple(evicted)))
         self._free -= blocks
 
     def _evict(self, count: int) -> list[int]:
