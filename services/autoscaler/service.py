@@ -28,6 +28,7 @@ _decoder = msgspec.json.Decoder(WorkerState)
 
 class AutoscalerService:
     name: ClassVar[str] = "autoscaler"
+    background: ClassVar[bool] = True  # see services.mesh.runtime.BACKGROUND_NICENESS
 
     def __init__(self) -> None:
         self.runtime: Runtime | None = None

@@ -201,6 +201,8 @@ class GroupCommit:
 
 class LedgerService:
     name: ClassVar[str] = "ledger"
+    # Nothing waits on the ledger: it yields the CPU to the services on the requests' path.
+    background: ClassVar[bool] = True
 
     IDLE_SAMPLE_S: ClassVar[float] = 5.0
     IDLE_WINDOW_S: ClassVar[float] = 60.0

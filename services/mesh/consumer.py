@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -117,8 +117,13 @@ class _ProgressReporter:
             self._sending.cancel()
 
 
+# What the pull loop is told of a message already handed to `deliver`.
+_DELIVERED = object()
+
+
 class PullFeed:
-    """Keeps one pull request outstanding on a durable consumer and yields messages as they come."""
+    """Keeps one pull request outstanding on a durable consumer and hands each message to
+    `deliver` as it arrives (no queue between its arrival and its handler)."""
 
     def __init__(
         self,
@@ -127,12 +132,15 @@ class PullFeed:
         durable: str,
         free_capacity: Callable[[], int],
         capacity_freed: asyncio.Event,
+        deliver: Callable[[Msg], None],
     ):
         self._bus = bus
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._free_capacity = free_capacity
         self._capacity_freed = capacity_freed
-        self._queue: asyncio.Queue[Msg | None] = asyncio.Queue()
+        self._deliver = deliver
+        # Status messages, a marker per delivered message (for the pull's count), None to stop.
+        self._queue: asyncio.Queue[Msg | object | None] = asyncio.Queue()
         self._sub: Subscription | None = None
         self._inbox = ""
         self._stopping = False
@@ -141,7 +149,12 @@ class PullFeed:
         self._inbox = self._bus.nc.new_inbox()
 
         async def on_msg(msg: Msg) -> None:
-            self._queue.put_nowait(msg)
+            status = msg.headers.get("Status") if msg.headers else None
+            if status is not None and not msg.data:
+                self._queue.put_nowait(msg)
+            elif not self._stopping:  # once stopping, left unacked: redelivered elsewhere
+                self._deliver(msg)
+                self._queue.put_nowait(_DELIVERED)
 
         self._sub = await self._bus.nc.subscribe(self._inbox, cb=on_msg)
 
@@ -155,7 +168,8 @@ class PullFeed:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
 
-    async def messages(self) -> AsyncIterator[Msg]:
+    async def run(self) -> None:
+        """Issue pulls for as many messages as there is room for, until stopped."""
         while not self._stopping:
             free = min(self._free_capacity(), MAX_PULL_BATCH)
             if free <= 0:
@@ -186,13 +200,13 @@ class PullFeed:
                     msg = self._queue.get_nowait()
                 if msg is None:
                     return
-                status = msg.headers.get("Status") if msg.headers else None
-                if status is not None and not msg.data:
-                    if status == "100":
-                        continue  # idle heartbeat
-                    break  # 404 no messages / 408 expired / 409 limits: this pull is over
-                remaining -= 1
-                yield msg
+                if msg is _DELIVERED:
+                    remaining -= 1
+                    continue
+                assert isinstance(msg, Msg)
+                if msg.headers and msg.headers.get("Status") == "100":
+                    continue  # idle heartbeat
+                break  # 404 no messages / 408 expired / 409 limits: this pull is over
 
 
 class Consumer(Generic[E]):
@@ -215,7 +229,7 @@ class Consumer(Generic[E]):
         self._seen = _SeenIds()
         self._inflight: set[asyncio.Task[None]] = set()
         self._capacity_freed = asyncio.Event()
-        self._feed = PullFeed(bus, spec.stream, spec.durable, self._free, self._capacity_freed)
+        self._feed = PullFeed(bus, spec.stream, spec.durable, self._free, self._capacity_freed, self._start)
         self._loop_task: asyncio.Task[None] | None = None
         self._advisory_sub: Subscription | None = None
 
@@ -230,10 +244,12 @@ class Consumer(Generic[E]):
         self._loop_task = asyncio.create_task(self._run(), name=f"consume-{self.spec.durable}")
 
     async def _run(self) -> None:
-        async for msg in self._feed.messages():
-            task = asyncio.create_task(self._handle(msg))
-            self._inflight.add(task)
-            task.add_done_callback(self._done)
+        await self._feed.run()
+
+    def _start(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._handle(msg))
+        self._inflight.add(task)
+        task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)

@@ -207,8 +207,24 @@ def _http_app(runtime_ref: dict[str, Any], service: Service) -> Starlette:
     return Starlette(routes=routes)
 
 
+# Off the requests' path (the ledger, the autoscaler): CPU goes to the services on it first
+# when a host is busy; their events wait in durable streams meanwhile. A service says so with a
+# `background = True` class attribute; RIPPLEMESH_BACKGROUND_NICENESS=0 turns it off.
+BACKGROUND_NICENESS = 10
+
+
+def _lower_priority_if_background(service: Service) -> None:
+    if not getattr(service, "background", False):
+        return
+    niceness = int(os.environ.get("RIPPLEMESH_BACKGROUND_NICENESS", BACKGROUND_NICENESS))
+    if niceness > 0:
+        with contextlib.suppress(OSError):
+            os.nice(niceness)
+
+
 async def run_service(service: Service, options: ServiceOptions) -> None:
     """Run one service until SIGTERM/SIGINT, then shut it down gracefully."""
+    _lower_priority_if_background(service)
     setup_tracing(service.name, options.data_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
