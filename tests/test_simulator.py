@@ -276,9 +276,9 @@ def test_steps_applied_as_arrays_change_nothing(monkeypatch: pytest.MonkeyPatch,
     vectorised = []
     original = worker_module.SimWorker._advance_arrays
 
-    def counted(self: worker_module.SimWorker, now: float, bound: int) -> None:
+    def counted(self: worker_module.SimWorker, now: float, bound: int) -> int:
         vectorised.append(bound)
-        original(self, now, bound)
+        return original(self, now, bound)
 
     monkeypatch.setattr(worker_module.SimWorker, "_advance_arrays", counted)
     monkeypatch.setattr(worker_module, "VECTOR_STEPS", 10**9)
@@ -529,16 +529,21 @@ def test_prefix_view_binary_search_equals_the_linear_walk() -> None:
 def test_fleet_overlaps_from_the_first_block_index_equal_visiting_every_worker(
     monkeypatch: pytest.MonkeyPatch, serving: str
 ) -> None:
-    """`overlaps` visits only the workers its first-block index names; at every routing decision
-    of a run (evictions, a small index sweep, the fleet growing, KV imported by decode workers) it
-    equals visiting the fleet."""
+    """`overlaps` visits only the workers its first-block index names, and applies a worker's
+    steps timed ahead only when they could evict the match; at every routing decision of a run
+    (evictions, a small index sweep, the fleet growing, KV imported by decode workers) it equals
+    walking every worker's cache with its steps applied."""
     monkeypatch.setattr(FleetPrefixView, "SWEEP_SLACK", 4)
     indexed = FleetPrefixView.overlaps
     answers: list[int] = []
 
     def checked(self: FleetPrefixView, block_hashes: list[int]) -> dict[str, int]:
         got = indexed(self, block_hashes)
-        every = {w: m for w in self.workers if (m := self.overlap(w, block_hashes))}
+        every = {}
+        for worker_id, worker in self.workers.items():
+            worker.advance(self.now)  # the steps timed ahead, applied: what the cache holds now
+            if matched := worker.blocks.cached_prefix_blocks(block_hashes):
+                every[worker_id] = matched
         assert list(got.items()) == list(every.items())
         answers.append(len(got))
         return got

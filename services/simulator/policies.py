@@ -8,6 +8,7 @@ services import (tests/test_simulator.py patches a policy module and watches dec
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 
 from services.router import baselines
@@ -56,21 +57,13 @@ class FleetPrefixView:
         if worker is None or n == 0:
             return 0
         cached = worker.blocks._refs
-        if block_hashes[0] not in cached:
-            return 0  # (steps timed ahead only ever evict blocks: no need to apply them first)
-        worker.advance(self.now)  # apply its timed-ahead steps (their blocks may evict cached ones)
-        if block_hashes[0] not in cached:
-            return 0
-        if block_hashes[n - 1] in cached:
-            return n
-        low, high = 1, n - 1  # block_hashes[low - 1] is cached, block_hashes[high] is not
-        while low < high:
-            middle = (low + high) // 2
-            if block_hashes[middle] in cached:
-                low = middle + 1
-            else:
-                high = middle
-        return low
+        matched = _cached_prefix(cached, block_hashes)
+        # The worker's steps timed ahead (`advance`) may evict cached blocks, but only
+        # unreferenced ones: when the deepest matched block is held by a sequence, so are the
+        # blocks before it (a sequence holds a prefix of its chain), and the match stands.
+        if matched == 0 or cached[block_hashes[matched - 1]] > 0 or not worker.advance(self.now):
+            return matched
+        return _cached_prefix(cached, block_hashes)
 
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Every serving worker's matched leading blocks (those matching none left out), in the
@@ -91,22 +84,24 @@ class FleetPrefixView:
                 self._holders[first] = caching
             else:
                 del self._holders[first]
-        if len(caching) > 1:
-            rank = self._rank
-            if any(w not in rank for w in caching):
-                rank = self._rank = {w: i for i, w in enumerate(workers)}
-            caching.sort(key=rank.__getitem__)
         return {w: matched for w in caching if (matched := self.overlap(w, block_hashes))}
 
     def stored_first_block(self, worker: SimWorker, block_hash: int) -> None:
         """`worker`'s cache stored `block_hash` as the first block of a prompt."""
         if not self.shared_prefixes:
             return
+        worker_id = worker.worker_id
         holders = self._holders.get(block_hash)
         if holders is None:
-            self._holders[block_hash] = [worker.worker_id]
-        elif worker.worker_id not in holders:
-            holders.append(worker.worker_id)
+            self._holders[block_hash] = [worker_id]
+        elif worker_id not in holders:
+            # Kept in the fleet's order (a worker joins it last; the order of the others stays).
+            rank = self._rank
+            if worker_id not in rank:
+                rank = self._rank = {w: i for i, w in enumerate(self.workers)}
+            if any(w not in rank for w in holders):  # workers gone since
+                holders[:] = [w for w in holders if w in rank]
+            bisect.insort(holders, worker_id, key=rank.__getitem__)
         else:
             return
         self._entries += 1
@@ -130,6 +125,23 @@ class FleetPrefixView:
         self._holders = kept
         self._entries = entries
         self._sweep_at = 2 * entries + self.SWEEP_SLACK
+
+
+def _cached_prefix(cached: Mapping[int, int], block_hashes: Sequence[int]) -> int:
+    """How many leading blocks of the chain are in the cache (binary search: it is prefix-closed)."""
+    n = len(block_hashes)
+    if n == 0 or block_hashes[0] not in cached:
+        return 0
+    if block_hashes[n - 1] in cached:
+        return n
+    low, high = 1, n - 1  # block_hashes[low - 1] is cached, block_hashes[high] is not
+    while low < high:
+        middle = (low + high) // 2
+        if block_hashes[middle] in cached:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def _least_loaded(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:

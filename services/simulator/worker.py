@@ -661,12 +661,12 @@ class SimWorker:
     def in_chunk(self) -> bool:
         return self._chunk_left >= 0
 
-    def advance(self, now: float) -> None:
+    def advance(self, now: float) -> int:
         """Apply the chunk's steps that ended by `now` (never its last: that one is `end_step`'s),
-        and start the next: its KV blocks, its timing."""
+        and start the next: its KV blocks, its timing. Returns how many steps it applied."""
         left = self._chunk_left
         if left <= 0 or self._chunk_step_end > now:
-            return
+            return 0
         # Steps only lengthen as contexts grow, so this many cover every step ending by `now`.
         bound = (
             left
@@ -674,8 +674,7 @@ class SimWorker:
             else min(left, int((now - self._chunk_step_end) / self._chunk_step[2]) + 2)
         )
         if bound >= VECTOR_STEPS:
-            self._advance_arrays(now, bound)
-            return
+            return self._advance_arrays(now, bound)
         cost = self.cost
         overhead, alpha, beta, weights_s = cost.overhead, cost.alpha, cost.beta, cost.weights_s
         flops_rate, bytes_rate = cost.flops_rate, cost.bytes_rate
@@ -721,8 +720,9 @@ class SimWorker:
         self._chunk_left = left
         self._chunk_step_end = end
         self._chunk_step = (d0, d1, seconds)
+        return applied
 
-    def _advance_arrays(self, now: float, bound: int) -> None:
+    def _advance_arrays(self, now: float, bound: int) -> int:
         """`advance` for many steps at once: the loop's expressions on arrays of the next `bound`
         steps (element by element the same IEEE operations, and running sums taken in order by
         `cumsum`), so the result is the loop's, bit for bit (tested)."""
@@ -782,7 +782,8 @@ class SimWorker:
         self._chunk_step_end = float(ends[applied])
         self._chunk_step = (float(d0[last]), float(d1[last]), float(seconds[last]))
         if applied == bound and self._chunk_left > 0:
-            self.advance(now)
+            applied += self.advance(now)
+        return applied
 
     def chunk_due(self, now: float) -> float | None:
         """At the chunk's wake-up: apply its steps; the exact end of its last step if that is
