@@ -56,14 +56,17 @@ class FleetPrefixView:
         n = len(block_hashes)
         if worker is None or n == 0:
             return 0
+        return self._matched(worker, block_hashes, 0)
+
+    def _matched(self, worker: SimWorker, block_hashes: Sequence[int], guess: int) -> int:
         cached = worker.blocks._refs
-        matched = _cached_prefix(cached, block_hashes)
+        matched = _cached_prefix(cached, block_hashes, guess)
         # The worker's steps timed ahead (`advance`) may evict cached blocks, but only
         # unreferenced ones: when the deepest matched block is held by a sequence, so are the
         # blocks before it (a sequence holds a prefix of its chain), and the match stands.
         if matched == 0 or cached[block_hashes[matched - 1]] > 0 or not worker.advance(self.now):
             return matched
-        return _cached_prefix(cached, block_hashes)
+        return _cached_prefix(cached, block_hashes, guess)
 
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Every serving worker's matched leading blocks (those matching none left out), in the
@@ -75,16 +78,24 @@ class FleetPrefixView:
         if not holders:
             return {}
         workers = self.workers
-        caching = [
-            w for w in holders if (worker := workers.get(w)) is not None and first in worker.blocks._refs
-        ]
+        found: dict[str, int] = {}
+        caching: list[str] = []
+        guess = 0  # workers sharing a prefix mostly share its depth: each tries the last one first
+        for worker_id in holders:
+            worker = workers.get(worker_id)
+            if worker is None or first not in worker.blocks._refs:
+                continue
+            caching.append(worker_id)
+            matched = self._matched(worker, block_hashes, guess)
+            if matched:
+                found[worker_id] = guess = matched
         if len(caching) < len(holders):  # evicted (or the worker gone): it re-enters when stored again
             self._entries -= len(holders) - len(caching)
             if caching:
                 self._holders[first] = caching
             else:
                 del self._holders[first]
-        return {w: matched for w in caching if (matched := self.overlap(w, block_hashes))}
+        return found
 
     def stored_first_block(self, worker: SimWorker, block_hash: int) -> None:
         """`worker`'s cache stored `block_hash` as the first block of a prompt."""
@@ -127,13 +138,16 @@ class FleetPrefixView:
         self._sweep_at = 2 * entries + self.SWEEP_SLACK
 
 
-def _cached_prefix(cached: Mapping[int, int], block_hashes: Sequence[int]) -> int:
-    """How many leading blocks of the chain are in the cache (binary search: it is prefix-closed)."""
+def _cached_prefix(cached: Mapping[int, int], block_hashes: Sequence[int], guess: int = 0) -> int:
+    """How many leading blocks of the chain are in the cache (binary search: it is prefix-closed),
+    `guess` tried first."""
     n = len(block_hashes)
     if n == 0 or block_hashes[0] not in cached:
         return 0
     if block_hashes[n - 1] in cached:
         return n
+    if 0 < guess < n and block_hashes[guess - 1] in cached and block_hashes[guess] not in cached:
+        return guess
     low, high = 1, n - 1  # block_hashes[low - 1] is cached, block_hashes[high] is not
     while low < high:
         middle = (low + high) // 2
