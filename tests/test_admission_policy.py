@@ -566,7 +566,11 @@ def test_saturation_from_kv_queue_and_predicted_wait_with_corrections() -> None:
     assert saturation(state, LIMITS) == pytest.approx(max(0.7 / LIMITS.kv_high, 8 / 8))
     state.admitted_since, state.finished_since = 6, 2
     assert saturation(state, LIMITS) == pytest.approx(12 / 8)
-    assert saturation(state, LIMITS, Prediction(ttft_s=10.0, finish_s=11.0)) == pytest.approx(5.0)
+    waited = Prediction(ttft_s=10.0, finish_s=11.0, wait_s=10.0)
+    assert saturation(state, LIMITS, waited) == pytest.approx(5.0)
+    # A long prompt's own prefill is not load: only the wait behind other work counts.
+    own_prefill = Prediction(ttft_s=10.0, finish_s=11.0, wait_s=0.0)
+    assert saturation(state, LIMITS, own_prefill) == pytest.approx(12 / 8)
 
 
 def test_the_rate_limiter_and_no_control_variants() -> None:

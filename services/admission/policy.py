@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from schemas.events import PriorityClass, WorkflowSpend
-from services.router.policy import LIVENESS_S, WorkerSpeed, WorkerView
+from services.router.policy import LIVENESS_S, FirstToken, WorkerSpeed, WorkerView
 
 CLASSES: tuple[PriorityClass, ...] = ("critical", "standard", "sheddable")
 # Higher ranks first.
@@ -168,10 +168,12 @@ def workflow_standing(step: int | None, spend: WorkflowSpend | None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """The router's prediction for a request placed now: seconds to its first and last token."""
+    """The router's prediction for a request placed now: seconds to its first and last token, and
+    how much of the wait for the first is queueing behind other work (the load it measures)."""
 
     ttft_s: float
     finish_s: float
+    wait_s: float = 0.0
 
 
 Predictor = Callable[[AdmissionRequest], Prediction | None]
@@ -495,14 +497,16 @@ def decode_step_s(state: AdmissionState, joining: int = 0) -> float:
     return fleet.fastest.decode_step_seconds(max(1, round(batch)), batch * per_sequence)
 
 
-def prediction(ttft_s: float | None, request: AdmissionRequest, state: AdmissionState) -> Prediction | None:
-    """A `Prediction` from the router's earliest TTFT (`router.policy.earliest_ttft`; None: no
-    live placement): the last token follows at the time per token the fleet gives now with this
-    request in it (`decode_step_s`)."""
-    if ttft_s is None:
+def prediction(
+    first: FirstToken | None, request: AdmissionRequest, state: AdmissionState
+) -> Prediction | None:
+    """A `Prediction` from the router's earliest first token (`router.policy.earliest_first_token`;
+    None: no live placement): the last token follows at the time per token the fleet gives now
+    with this request in it (`decode_step_s`)."""
+    if first is None:
         return None
     decode = max(0, request.output_tokens - 1) * decode_step_s(state, joining=1)
-    return Prediction(ttft_s, ttft_s + decode)
+    return Prediction(first.ttft_s, first.ttft_s + decode, first.wait_s)
 
 
 @dataclass(slots=True)
@@ -562,7 +566,8 @@ def saturation(state: AdmissionState, limits: AdmissionLimits, prediction: Predi
     """1.0 is the fleet at its target load: the largest of KV usage over `kv_high`, requests
     waiting per live worker (heartbeats, plus admitted, minus finished since) over
     `queue_per_worker`, the time per output token (`decode_step_s`) over `tpot_high_s`, and the
-    predicted TTFT over `wait_high_s`. inf with no live worker."""
+    predicted wait for the first token (queueing, not the request's own prefill: a long prompt
+    on an idle fleet is no load) over `wait_high_s`. inf with no live worker."""
     fleet = state.fleet
     if fleet is None or fleet.workers == 0:
         return math.inf
@@ -571,7 +576,7 @@ def saturation(state: AdmissionState, limits: AdmissionLimits, prediction: Predi
         fleet.kv_utilisation / limits.kv_high,
         waiting / (fleet.workers * limits.queue_per_worker),
         decode_step_s(state) / limits.tpot_high_s,
-        prediction.ttft_s / limits.wait_high_s if prediction is not None else 0.0,
+        prediction.wait_s / limits.wait_high_s if prediction is not None else 0.0,
     )
     return value
 

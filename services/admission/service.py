@@ -102,7 +102,7 @@ from services.mesh.tracing import tracer
 from services.mesh.workflow_spend_view import WorkflowSpendView
 from services.router.kv_index import KvIndex
 from services.router.kv_sync import KvSync
-from services.router.policy import RouterState, earliest_ttft
+from services.router.policy import RouterState, earliest_first_token
 from services.router.service import route_request, view_of
 
 log = logging.getLogger(__name__)
@@ -355,8 +355,9 @@ class AdmissionService:
         if held is None or self.kv_index is None:
             return None
         spend = request.workflow_spent_usd
-        ttft = earliest_ttft(self.router_state, route_request(held, spend), self.kv_index, time.time())
-        return prediction(ttft, request, self.state)
+        route = route_request(held, spend)
+        first = earliest_first_token(self.router_state, route, self.kv_index, time.time())
+        return prediction(first, request, self.state)
 
     async def _decide(self, request: InferenceRequest, admission: AdmissionRequest, now: float) -> Decision:
         quota = self._quotas.get(request.tenant)

@@ -931,11 +931,31 @@ def place(
     )
 
 
-def earliest_ttft(state: RouterState, request: RouteRequest, prefix: PrefixView, now: float) -> float | None:
-    """The lowest predicted time to first token over the live placements (None: no live decode
-    worker for the model, or a block-size mismatch). Changes nothing in `state`; admission uses
-    it to tell a deadline no placement can meet."""
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The earliest first token over the live placements: when (`ttft_s`), and how much of that
+    is waiting behind other work (`wait_s`) rather than the request's own prefill and load."""
+
+    ttft_s: float
+    wait_s: float
+
+
+def earliest_first_token(
+    state: RouterState, request: RouteRequest, prefix: PrefixView, now: float
+) -> FirstToken | None:
+    """The lowest predicted time to first token over the live placements, and its wait (None: no
+    live decode worker for the model, or a block-size mismatch). Changes nothing in `state`;
+    admission uses it to tell a deadline no placement can meet, and the wait for how loaded the
+    fleet is (a long prompt's own prefill on an idle worker is not load)."""
     scored = _options(state, request, prefix, now)
     if isinstance(scored, NoPlacement):
         return None
-    return min(o.ttft_s for o in scored[0])
+    best = min(scored[0], key=lambda o: o.ttft_s)
+    own_s = best.prefill.prefill_gpu_s + _cold_seconds(best.prefill.worker, request)
+    return FirstToken(best.ttft_s, max(0.0, best.ttft_s - own_s))
+
+
+def earliest_ttft(state: RouterState, request: RouteRequest, prefix: PrefixView, now: float) -> float | None:
+    """`earliest_first_token`'s time to first token."""
+    first = earliest_first_token(state, request, prefix, now)
+    return first.ttft_s if first is not None else None

@@ -594,8 +594,8 @@ class Simulator:
         now = self.now
         self.prefix.now = now
         route = self._route_request(self._admitting[request.request_id])
-        ttft = router_policy.earliest_ttft(self.router_state, route, self.prefix, now)
-        return admission_policy.prediction(ttft, request, self.admission)
+        first = router_policy.earliest_first_token(self.router_state, route, self.prefix, now)
+        return admission_policy.prediction(first, request, self.admission)
 
     def _admitted(self, req: _RequestRun, waited_s: float) -> None:
         figures = self.by_tenant[req.task_run.task.tenant]
