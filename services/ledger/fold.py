@@ -265,30 +265,7 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
                 _complete(task, event, workflow_id)
                 task.kv_cost_usd += kv_cost
                 task.kv_transfer_bytes += kv_bytes
-            task.gpu_seconds += seconds
-            task.gpu_cost_usd += cost or 0.0
-            busy = workers.get(event.worker_id)
-            if busy is None:
-                busy = workers[event.worker_id] = WorkerBusy(event.worker_id, event.gpu_type)
-            busy.gpu_type = event.gpu_type
-            busy.busy_gpu_seconds += seconds
-            busy.busy_cost_usd += (cost or 0.0) + kv_cost
-            rows.append(
-                (
-                    event.event_id,
-                    tag,
-                    event.request_id,
-                    event.tenant,
-                    event.occurred_at,
-                    key,
-                    event.worker_id,
-                    event.gpu_type,
-                    seconds,
-                    cost,
-                    kv_bytes,
-                    kv_cost if kv_bytes is not None else None,
-                )
-            )
+            _charge_gpu_time(task, workers, event, key, tag, seconds, cost, rows, kv_bytes, kv_cost)
         elif isinstance(event, WorkStopped):
             # GPU time of a request stopped early (cancelled, revoked, drained): spent on the
             # request and its task, by the worker; the request's status is the cancellation's
@@ -297,29 +274,7 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
             seconds = event.gpu_seconds if _is_duration(event.gpu_seconds) else 0.0
             delta.decode_gpu_seconds += seconds
             delta.decode_cost_usd += cost or 0.0
-            task.gpu_seconds += seconds
-            task.gpu_cost_usd += cost or 0.0
-            busy = workers.get(event.worker_id)
-            if busy is None:
-                busy = workers[event.worker_id] = WorkerBusy(event.worker_id, event.gpu_type)
-            busy.busy_gpu_seconds += seconds
-            busy.busy_cost_usd += cost or 0.0
-            rows.append(
-                (
-                    event.event_id,
-                    tag,
-                    event.request_id,
-                    event.tenant,
-                    event.occurred_at,
-                    key,
-                    event.worker_id,
-                    event.gpu_type,
-                    seconds,
-                    cost,
-                    None,
-                    None,
-                )
-            )
+            _charge_gpu_time(task, workers, event, key, tag, seconds, cost, rows)
         elif isinstance(event, RequestMigrated):
             # A migration counts against its task (an event row with the task's key and the
             # worker it left); the re-prefill's GPU time comes with its own PrefillCompleted.
@@ -362,6 +317,46 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
         workers=list(workers.values()),
         events=rows,
         errors=errors,
+    )
+
+
+def _charge_gpu_time(
+    task: TaskDelta,
+    workers: dict[str, WorkerBusy],
+    event: PrefillCompleted | DecodeCompleted | WorkStopped,
+    key: str,
+    tag: str,
+    seconds: float,
+    cost: float | None,
+    rows: list[EventRow],
+    kv_bytes: int | None = None,
+    kv_cost: float = 0.0,
+) -> None:
+    """GPU time a worker reported for a request: on the request's task, on the worker's busy
+    time (for idle time), and as the event's row."""
+    task.gpu_seconds += seconds
+    task.gpu_cost_usd += cost or 0.0
+    busy = workers.get(event.worker_id)
+    if busy is None:
+        busy = workers[event.worker_id] = WorkerBusy(event.worker_id, event.gpu_type)
+    busy.gpu_type = event.gpu_type
+    busy.busy_gpu_seconds += seconds
+    busy.busy_cost_usd += (cost or 0.0) + kv_cost
+    rows.append(
+        (
+            event.event_id,
+            tag,
+            event.request_id,
+            event.tenant,
+            event.occurred_at,
+            key,
+            event.worker_id,
+            event.gpu_type,
+            seconds,
+            cost,
+            kv_bytes,
+            kv_cost if kv_bytes is not None else None,
+        )
     )
 
 
