@@ -5,6 +5,7 @@ real traces."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import os
@@ -262,6 +263,42 @@ def test_heartbeats_report_the_batch_context_of_steady_decodes(monkeypatch: pyte
     run_simulation(small_agentic(workflows=40, output_tokens=300.0), fleet(PoolSpec(replicas=2)))
     assert all(got == expected for got, expected in seen)
     assert sum(expected > 0 for _, expected in seen) > 20
+
+
+def test_memory_holds_the_tasks_in_flight_not_the_workload() -> None:
+    """The workload is pulled a task at a time and a request's state goes when it ends: midway
+    through 3,000 agent runs only those in flight are alive, and nothing per request is left at
+    the end."""
+    from services.simulator import core as core_module
+    from services.simulator import workload as workload_module
+
+    def alive(kind: type) -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is kind)
+
+    counts: list[tuple[int, int, int]] = []
+    simulator: Simulator | None = None
+
+    def progress(done: int, total: int | None) -> None:
+        assert simulator is not None
+        counts.append((done, alive(workload_module._Workflow), alive(core_module._RequestRun)))
+
+    workload = small_agentic(workflows=3000, rate_per_s=20.0, max_steps=3, output_tokens=30.0)
+    simulator = Simulator(
+        workload,
+        fleet(PoolSpec(replicas=4)),
+        "round_robin",
+        options=SimOptions(progress_every=500),
+        progress=progress,
+    )
+    result = simulator.run()
+    assert result.tasks == 3000 and len(counts) >= 6
+    in_flight = [(workflows, requests) for done, workflows, requests in counts if 0 < done < 3000]
+    # In flight: 20 arrivals/s, each for a few seconds. (A pending deadline event that held its
+    # request until the deadline passed kept 2,500 of the 3,000 alive.)
+    assert in_flight and max(w for w, _ in in_flight) < 400 and max(r for _, r in in_flight) < 400
+    gc.collect()
+    assert alive(workload_module._Workflow) == 0 and alive(core_module._RequestRun) == 0
+    assert alive(worker_module.Seq) == 0
 
 
 @pytest.mark.parametrize("scenario", ["long-decodes", "stressful"])

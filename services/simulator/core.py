@@ -226,6 +226,7 @@ class Simulator:
         self.admission_limits = self.admission_variant.limits
         self._quotas = self.admission_variant.quotas({n: t.quota for n, t in workload.tenants.items()})
         self._admitting: dict[str, _RequestRun] = {}  # deferred requests (and the one being decided)
+        self._deadlines: dict[str, _RequestRun] = {}  # requests in flight whose client has a deadline
         self._admission_tick_at: float | None = None
         self.deferred = 0
         self.deferral = LatencySketch()
@@ -422,7 +423,9 @@ class Simulator:
             elif kind == _IMPORT:
                 self._import_done(obj[0], obj[1], at)
             elif kind == _DEADLINE:
-                self._deadline(obj, at)
+                pending = self._deadlines.pop(obj, None)
+                if pending is not None:
+                    self._deadline(pending, at)
             elif kind == _HEARTBEAT:
                 self._heartbeat(at)
             elif kind == _AUTOSCALE:
@@ -516,7 +519,9 @@ class Simulator:
             req.decode = seq
         self._kick(prefill_worker, now)
         if req.deadline_at is not None and self.options.abandon_past_deadline:
-            self._push(req.deadline_at, _DEADLINE, req)
+            # The event names the request; the request itself is let go of when it ends.
+            self._deadlines[req.rid] = req
+            self._push(req.deadline_at, _DEADLINE, req.rid)
 
     # ------------------------------------------------------------ admission
 
@@ -639,6 +644,7 @@ class Simulator:
     def _ended(self, req: _RequestRun, now: float, *, admitted: bool, slo_met: bool = False) -> None:
         """A request ended: its concurrency lease goes back; one admitted frees the fleet."""
         task = req.task_run.task
+        self._deadlines.pop(req.rid, None)
         admission_policy.release(self.admission, task.tenant, req.rid)
         if slo_met:
             self.slo_by_priority[task.priority][0] += 1
