@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 
 _HASH_BYTES = 8  # 64-bit hashes: fit a JSON integer and a numpy uint64
 
 
+@lru_cache(maxsize=1024)
 def chain_seed(model: str, adapter: str | None = None) -> int:
     digest = hashlib.blake2b(f"{model}\x00{adapter or ''}".encode(), digest_size=_HASH_BYTES)
     return int.from_bytes(digest.digest(), "little") >> 1
