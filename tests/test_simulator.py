@@ -273,6 +273,9 @@ def test_memory_holds_the_tasks_in_flight_not_the_workload() -> None:
     from services.simulator import workload as workload_module
 
     def alive(kind: type) -> int:
+        # Reachable ones: garbage in cycles waits for the collector, at times other tests'
+        # allocations decide, and is not state kept.
+        gc.collect()
         return sum(1 for o in gc.get_objects() if type(o) is kind)
 
     counts: list[tuple[int, int, int]] = []
