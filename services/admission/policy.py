@@ -537,6 +537,8 @@ class AdmissionState:
     outcomes: list[Outcome] = field(default_factory=list)
     _queue: list[tuple[tuple[int, int, int, float, int], _Entry]] = field(default_factory=list)
     _due: list[tuple[float, int, _Entry]] = field(default_factory=list)
+    # The queue by shedding rank, lowest first (`_lowest`); removed entries are dropped lazily.
+    _ranks: list[tuple[tuple[int, int, int, float, float], int, _Entry]] = field(default_factory=list)
     _virtual: dict[str, float] = field(default_factory=dict)  # per class
     # Per class, the queued entries by start tag: the fair queue's virtual time is the smallest
     # start tag still waiting (entries served out of tag order, ahead of others by level or
@@ -592,9 +594,10 @@ def decide(
     limits: AdmissionLimits,
     now: float,
     predict: Predictor = no_prediction,
+    lazy: bool = False,
 ) -> Decision:
     """Validate, charge the tenant's quota (local usage) and offer: the request's own decision.
-    Deferred requests decided meanwhile are in `state.outcomes`."""
+    Deferred requests decided meanwhile are in `state.outcomes`. `lazy`: as `offer`'s."""
     rejected = validate(request, quota, limits, now)
     if rejected is not None or quota is None:
         return rejected or Reject("invalid", "unknown tenant", None)
@@ -608,7 +611,7 @@ def decide(
         return rejected
     if limits.control == "rate_limit":
         return Admit()
-    decision = offer(state, request, quota.weight, limits, now, predict)
+    decision = offer(state, request, quota.weight, limits, now, predict, lazy)
     if isinstance(decision, Reject):
         release_quota(usage, request.request_id)
     return decision
@@ -636,12 +639,19 @@ def offer(
     limits: AdmissionLimits,
     now: float,
     predict: Predictor = no_prediction,
+    lazy: bool = False,
 ) -> Decision:
     """Feasibility, then the deferral queue, then `drain`: Admit, Defer (until `due`) or Reject.
-    The request must be valid and its quota charged."""
+    The request must be valid and its quota charged.
+
+    `lazy` (the simulator): a request without a deadline is predicted only when `drain` weighs it
+    at the head of the queue, the one decision its prediction takes part in; until then its entry
+    has none (so a rejection while deferred carries the default retry-after, and the service's
+    record of a deferral no predicted TTFT: the service predicts every request at once)."""
     if request.request_id in state.deferred:
         return Defer(state.deferred[request.request_id].due, "already deferred")
-    prediction = predict(request)
+    predicted = request.deadline_at is not None or not lazy
+    prediction = predict(request) if predicted else None
     if request.deadline_at is not None and prediction is not None:
         late = now + prediction.finish_s - request.deadline_at
         if late > 0:
@@ -675,7 +685,8 @@ def offer(
                 ),
             )
         )
-    entry = _enqueue(state, request, weight, limits, now, prediction)
+    # Not yet predicted (lazy): `drain` predicts it when it reaches the head.
+    entry = _enqueue(state, request, weight, limits, now, prediction, now if predicted else -math.inf)
     before = len(state.outcomes)
     drain(state, limits, now, predict)
     for i in range(before, len(state.outcomes)):
@@ -702,14 +713,17 @@ def _lowest(
     level and workflow standing; among continuations the least spent; else the latest start tag
     (the most-served tenant's)."""
     start, _ = _tags(state, newcomer, weight)
-
-    def rank(request: AdmissionRequest, start_tag: float) -> tuple[int, int, int, float, float]:
-        return (*_standing_key(request), request.workflow_spent_usd, -start_tag)
-
-    victim = min(state.deferred.values(), key=lambda e: rank(e.request, e.start), default=None)
-    if victim is None or rank(victim.request, victim.start) >= rank(newcomer, start):
+    ranks = state._ranks
+    while ranks and ranks[0][2].removed:
+        heapq.heappop(ranks)
+    if not ranks or ranks[0][0] >= _shed_rank(newcomer, start):
         return None
-    return victim
+    return ranks[0][2]
+
+
+def _shed_rank(request: AdmissionRequest, start: float) -> tuple[int, int, int, float, float]:
+    """Shed first: the lowest class, level, standing, workflow spend, then the latest start tag."""
+    return (*_standing_key(request), request.workflow_spent_usd, -start)
 
 
 def _enqueue(
@@ -719,6 +733,7 @@ def _enqueue(
     limits: AdmissionLimits,
     now: float,
     prediction: Prediction | None,
+    predicted_at: float,
 ) -> _Entry:
     start, finish = _tags(state, request, weight)
     state._last_finish[(request.priority, request.tenant)] = finish
@@ -731,10 +746,16 @@ def _enqueue(
     state._seq += 1
     rank = _standing_key(request)
     key = (-rank[0], -rank[1], -rank[2], start, state._seq)
-    entry = _Entry(request, key, start, finish, max(now, due), now, prediction, now, deadline_bound)
+    entry = _Entry(request, key, start, finish, max(now, due), now, prediction, predicted_at, deadline_bound)
     state.deferred[request.request_id] = entry
     state.deferred_bytes += request.size_bytes
     heapq.heappush(state._queue, (key, entry))
+    ranks = state._ranks
+    if len(ranks) > 64 and len(ranks) > 2 * len(state.deferred):
+        # Mostly removed entries: keep the queued ones only.
+        ranks[:] = [r for r in ranks if not r[2].removed]
+        heapq.heapify(ranks)
+    heapq.heappush(ranks, (_shed_rank(request, start), state._seq, entry))
     heapq.heappush(state._due, (entry.due, state._seq, entry))
     heapq.heappush(state._starts.setdefault(request.priority, []), (start, state._seq, entry))
     return entry
@@ -775,6 +796,14 @@ def drain(
         if head is None:
             break
         request = head.request
+        bound = limits.admit_below(request.priority, request.workflow_standing)
+        if request.deadline_at is None and head.predicted_at != now:
+            # Without a deadline the prediction only adds its wait to the saturation: when the
+            # fleet is over the bound without it, the answer is the same and it is not needed.
+            value = saturation(state, limits)
+            if value >= bound:
+                state.saturation = value
+                break
         if head.predicted_at != now:
             head.prediction = predict(request)
             head.predicted_at = now
@@ -799,7 +828,7 @@ def drain(
             continue
         value = saturation(state, limits, prediction)
         state.saturation = value
-        if value >= limits.admit_below(request.priority, request.workflow_standing):
+        if value >= bound:
             break
         _remove(state, head)
         starts = state._starts.get(request.priority, [])

@@ -543,6 +543,7 @@ class Simulator:
             limits=self.admission_limits,
             now=now,
             predict=self._predict,
+            lazy=True,
         )
         if isinstance(decision, Defer):
             self.deferred += 1
