@@ -228,14 +228,42 @@ def test_an_unreachable_deadline_is_infeasible() -> None:
     # The same request with a reachable deadline is placed.
     assert isinstance(place(state, request(deadline_in=600.0), Cached(), NOW), Placement)
     # A first step of a long workflow is refused when the task as a whole has no chance (each
-    # later step as risky as this one), while its last step alone would be tried.
+    # later step as risky as this one), while its last step alone, the earlier seven's spend at
+    # stake, would be tried.
     ok = {"queued": 130_000, "running": 50, "used": TOTAL // 2}
     step = {"deadline_in": 7.0, "workflow_id": "wf", "workflow_steps": 8}
     first = place(state_of(view("a", **ok)), request(workflow_step=1, **step), Cached(), NOW)
-    last = place(state_of(view("a", **ok)), request(workflow_step=8, **step), Cached(), NOW)
+    last = place(
+        state_of(view("a", **ok)), request(workflow_step=8, workflow_spent_usd=0.01, **step), Cached(), NOW
+    )
     assert isinstance(first, NoPlacement) and first.reason == "infeasible", first
     assert isinstance(last, Placement)
     assert earliest_ttft(RouterState(), req, Cached(), NOW) is None  # no worker at all
+
+
+def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
+    # The same 4-step workflow with the same chance of success (about 0.94 per step, 0.78 for
+    # the task) on two fleets. On an idle one its GPU time costs the fleet next to nothing (idle
+    # time is paid for anyway): tried. On a saturated one (a prefill backlog) it would take its
+    # full price from other work for a 78% chance: refused, where a 5% floor would place it.
+    # Its last step, with the earlier steps' spend at stake and only itself left, still goes.
+    task = {"output": 300, "workflow_id": "wf", "workflow_steps": 4}
+    busy = {"used": TOTAL // 2, "queued": 60_000, "running": 30}
+
+    def saturated() -> RouterState:
+        return state_of(view("a", **busy), view("b", **busy))
+
+    new = place(saturated(), request(deadline_in=8.0, workflow_step=1, **task), Cached(), NOW)
+    assert isinstance(new, NoPlacement) and new.reason == "infeasible", new
+    assert "task's chance is 0.7" in new.message
+    last = decide(saturated(), request(deadline_in=8.0, workflow_step=4, workflow_spent_usd=0.002, **task))
+    assert 0.9 < last.success_probability < 0.97
+    idle = state_of(view("a", used=1000, running=30), view("b", used=1000, running=30))
+    tried = decide(idle, request(deadline_in=5.4, workflow_step=1, **task))
+    assert 0.9 < tried.success_probability < 0.97
+    # Below the floor of hope (5%) nothing is tried, however idle the fleet.
+    hopeless = place(idle, request("r2", deadline_in=3.0, workflow_step=1, **task), Cached(), NOW)
+    assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
 
 
 def test_workflow_sunk_cost_and_prefix() -> None:
