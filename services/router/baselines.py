@@ -73,19 +73,21 @@ def _place(
     pick_decode: Picker,
     pick_prefill: Picker,
 ) -> Decision:
-    """Candidates, the block-size check and the placement's bookkeeping, as policy.place does."""
-    live = policy.live_workers(state, model, now)
-    mismatched = sorted(w.worker_id for w in live if w.block_size != block_size)
-    if mismatched:
-        return NoPlacement(
-            "invalid",
-            f"block size mismatch: the request was hashed with {block_size}-token blocks but "
-            f"worker(s) {', '.join(mismatched)} use another size; refusing to route",
-        )
-    decoders = [w for w in live if w.role == "decode"]
+    """Candidates, the block-size check and the placement's bookkeeping, as policy.place does.
+    The live workers by role come from the state's index (`RouterState.live`: no scan of the
+    fleet per request); the pickers read those lists, they do not change them."""
+    live, decoders, prefillers = state.live(model, now)
+    counts = state._size_counts.get(model)
+    if not counts or len(counts) > 1 or block_size not in counts:  # a worker of another size exists
+        mismatched = sorted(w.worker_id for w in live if w.block_size != block_size)
+        if mismatched:
+            return NoPlacement(
+                "invalid",
+                f"block size mismatch: the request was hashed with {block_size}-token blocks but "
+                f"worker(s) {', '.join(mismatched)} use another size; refusing to route",
+            )
     if not decoders:
         return NoPlacement("no_workers", f"no live decode worker serves model {model!r}")
-    prefillers = [w for w in live if w.role == "prefill"]
     decode, decode_load = pick_decode(decoders)
     _count(state, decode.worker_id)
     if not prefillers:

@@ -181,11 +181,8 @@ class RouterConfig:
     # The spread of a completion-time prediction: sigma = relative x predicted + absolute seconds.
     relative_error: float = 0.3
     absolute_error_s: float = 0.25
-    # No option gives the task at least this chance of meeting its deadlines: infeasible.
+    # No option with at least this probability of meeting a hard deadline: infeasible.
     min_success_probability: float = 0.05
-    # The chance a task that takes its steps' full price from the fleet must have to be worth
-    # trying (`_refuse`: scaled by the marginal over the full cost of what is left).
-    worth_probability: float = 0.9
     # The chance that a cached block the request evicts would have been reused (its re-prefill
     # is then charged to this placement).
     evicted_reuse_probability: float = 0.25
@@ -229,6 +226,14 @@ class RouterState:
     # of (predicted end, what a second of their latency is worth), and that worth summed.
     _inflight: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     _inflight_worth: dict[str, float] = field(default_factory=dict)
+    # Per model: its workers, in the order of `workers` (`live_workers` filters them), and its
+    # live ones as last filtered: (from, the oldest heartbeat among them, live, decoders,
+    # prefillers), good from `from` until that heartbeat is older than LIVENESS_S, while no
+    # worker of the model changes (`observe`, `forget`).
+    _by_model: dict[str, dict[str, WorkerView]] = field(default_factory=dict)
+    _live: dict[str, tuple[float, float, list[WorkerView], list[WorkerView], list[WorkerView]]] = field(
+        default_factory=dict
+    )
 
     def observe(self, worker: WorkerView) -> None:
         previous = self.workers.get(worker.worker_id)
@@ -236,6 +241,7 @@ class RouterState:
             if previous is not None and previous.model != worker.model:
                 self._drop_size(previous)
             self.workers[worker.worker_id] = worker
+            self._index(worker, previous)
             self.placed_since_heartbeat[worker.worker_id] = 0
             self.placed[worker.worker_id] = _Placed()
             sizes = self._block_sizes.setdefault(worker.model, {})
@@ -246,6 +252,36 @@ class RouterState:
                 counts = self._size_counts.setdefault(worker.model, {})
                 counts[worker.block_size] = counts.get(worker.block_size, 0) + 1
             self._push(worker)
+
+    def _index(self, worker: WorkerView, previous: WorkerView | None) -> None:
+        """Keep `_by_model` (in the order of `workers`) and drop the models' live lists."""
+        if previous is not None and previous.model != worker.model:
+            self._by_model.get(previous.model, {}).pop(worker.worker_id, None)
+            self._live.pop(previous.model, None)
+            # A worker changing model keeps its place in `workers`: rebuild that model's order.
+            self._by_model[worker.model] = {
+                w.worker_id: w for w in self.workers.values() if w.model == worker.model
+            }
+        else:
+            self._by_model.setdefault(worker.model, {})[worker.worker_id] = worker
+        self._live.pop(worker.model, None)
+
+    def live(self, model: str, now: float) -> tuple[list[WorkerView], list[WorkerView], list[WorkerView]]:
+        """The model's live, non-draining workers (in the order of `workers`), and of them the
+        decode and the prefill workers. Shared lists: read them, do not change them."""
+        cached = self._live.get(model)
+        if cached is not None and cached[0] <= now and now - cached[1] <= LIVENESS_S:
+            return cached[2], cached[3], cached[4]
+        live = [
+            w
+            for w in self._by_model.get(model, {}).values()
+            if not w.draining and now - w.heartbeat_at <= LIVENESS_S
+        ]
+        oldest = min((w.heartbeat_at for w in live), default=math.inf)
+        decoders = [w for w in live if w.role == "decode"]
+        prefillers = [w for w in live if w.role == "prefill"] if len(decoders) < len(live) else []
+        self._live[model] = (now, oldest, live, decoders, prefillers)
+        return live, decoders, prefillers
 
     def forget(self, worker_id: str) -> None:
         worker = self.workers.pop(worker_id, None)
@@ -258,6 +294,8 @@ class RouterState:
         self._inflight_worth.pop(worker_id, None)
         if worker is not None:
             self._drop_size(worker)
+            self._by_model.get(worker.model, {}).pop(worker_id, None)
+            self._live.pop(worker.model, None)
 
     def _drop_size(self, worker: WorkerView) -> None:
         size = self._block_sizes.get(worker.model, {}).pop(worker.worker_id, None)
@@ -443,11 +481,9 @@ def _least_loaded(workers: Iterable[WorkerView], state: RouterState, request_id:
 
 
 def live_workers(state: RouterState, model: str, now: float) -> list[WorkerView]:
-    return [
-        w
-        for w in state.workers.values()
-        if w.model == model and not w.draining and now - w.heartbeat_at <= LIVENESS_S
-    ]
+    """The model's live, non-draining workers, in the order the router came to know them (kept
+    per model by `RouterState`, refiltered only when a worker changes or falls silent)."""
+    return list(state.live(model, now)[0])
 
 
 def _mismatch(state: RouterState, model: str, block_size: int, now: float) -> NoPlacement | None:
@@ -656,7 +692,6 @@ class _Option:
     cost_usd: float
     probability: float
     score: float
-    marginal_usd: float = 0.0  # what the fleet gives up for it (GPU time at its utilisation, KV)
 
     def scored(self, sunk: float) -> ScoredOption:
         return ScoredOption(
@@ -781,7 +816,6 @@ def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _
         cost_usd=charged,
         probability=probability,
         score=score,
-        marginal_usd=marginal,
     )
 
 
@@ -882,47 +916,6 @@ def _best(options: list[_Option], request_id: str) -> _Option:
     )
 
 
-def _refuse(
-    config: RouterConfig, request: RouteRequest, options: list[_Option], now: float
-) -> NoPlacement | None:
-    """Refuse a request whose task is not worth trying: placing it must be expected to cost less
-    per success than what the fleet pays per success.
-
-    The task succeeds only if this step and the steps still to come meet their deadlines; with
-    nothing known of the later ones, each is as likely as this one is now: P = p^(1 + left).
-    Placing spends, in expectation, what this step and each later step take from the fleet (the
-    best option's marginal cost, GPU time at the workers' utilisation, once per step left);
-    declining loses the task. The task's worth is what it costs in full (its spend so far plus
-    each step left at its full price) over `worth_probability`, the chance a task whose
-    steps are all paid in full must have to be worth trying: refuse when P x worth < marginal
-    cost, i.e. P < worth_probability x marginal / full. On an idle fleet the marginal cost is
-    near nothing (idle GPU time is paid for anyway) and only a hopeless deadline is refused; on a
-    saturated one a new workflow needs the full chance, a late step of an expensive one far
-    less."""
-    likeliest = max(options, key=lambda o: o.probability)
-    left = 0
-    if request.workflow_step is not None and request.workflow_steps is not None:
-        left = max(0, request.workflow_steps - request.workflow_step)
-    task_probability = likeliest.probability ** (1 + left)
-    best = min(options, key=lambda o: o.score)
-    steps = 1 + left
-    full = request.workflow_spent_usd + steps * best.cost_usd
-    # (The marginal cost can exceed the charged one, the KV held for a long completion
-    # included: no task needs more than the full chance.)
-    floor = config.worth_probability * (min(1.0, steps * best.marginal_usd / full) if full > 0 else 0.0)
-    floor = max(config.min_success_probability, floor)
-    if task_probability >= floor:
-        return None
-    reason = (
-        f"no placement is worth its cost: the likeliest completes in "
-        f"{likeliest.completion_s:.2f} s (probability {likeliest.probability:.3f}; deadline), "
-        f"{request.deadline_at - now if request.deadline_at is not None else math.inf:.2f} s are left"
-    )
-    if left:
-        reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
-    return NoPlacement("infeasible", reason + f" (needs {floor:.3f})")
-
-
 def place(
     state: RouterState, request: RouteRequest, prefix: PrefixView, now: float
 ) -> Placement | NoPlacement:
@@ -932,9 +925,22 @@ def place(
         return scored
     options, considered = scored
     if request.deadline_at is not None:
-        refused = _refuse(state.config, request, options, now)
-        if refused is not None:
-            return refused
+        likeliest = max(options, key=lambda o: o.probability)
+        # The task succeeds only if this step and the steps still to come meet their deadlines;
+        # with nothing known of the later ones, each is as likely as this one is now.
+        left = 0
+        if request.workflow_step is not None and request.workflow_steps is not None:
+            left = max(0, request.workflow_steps - request.workflow_step)
+        task_probability = likeliest.probability ** (1 + left)
+        if task_probability < state.config.min_success_probability:
+            reason = (
+                f"no placement meets the deadline: the likeliest completes in "
+                f"{likeliest.completion_s:.2f} s (probability {likeliest.probability:.3f}), "
+                f"{request.deadline_at - now:.2f} s are left"
+            )
+            if left:
+                reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
+            return NoPlacement("infeasible", reason)
     best = _best(options, request.request_id)
     prefill, decode = best.prefill, best.decode
     block = request.block_size
