@@ -181,8 +181,11 @@ class RouterConfig:
     # The spread of a completion-time prediction: sigma = relative x predicted + absolute seconds.
     relative_error: float = 0.3
     absolute_error_s: float = 0.25
-    # No option with at least this probability of meeting a hard deadline: infeasible.
+    # No option gives the task at least this chance of meeting its deadlines: infeasible.
     min_success_probability: float = 0.05
+    # The chance a task that takes its steps' full price from the fleet must have to be worth
+    # trying (`_refuse`: scaled by the marginal over the full cost of what is left).
+    worth_probability: float = 0.9
     # The chance that a cached block the request evicts would have been reused (its re-prefill
     # is then charged to this placement).
     evicted_reuse_probability: float = 0.25
@@ -692,6 +695,7 @@ class _Option:
     cost_usd: float
     probability: float
     score: float
+    marginal_usd: float = 0.0  # what the fleet gives up for it (GPU time at its utilisation, KV)
 
     def scored(self, sunk: float) -> ScoredOption:
         return ScoredOption(
@@ -816,6 +820,7 @@ def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _
         cost_usd=charged,
         probability=probability,
         score=score,
+        marginal_usd=marginal,
     )
 
 
@@ -916,6 +921,47 @@ def _best(options: list[_Option], request_id: str) -> _Option:
     )
 
 
+def _refuse(
+    config: RouterConfig, request: RouteRequest, options: list[_Option], now: float
+) -> NoPlacement | None:
+    """Refuse a request whose task is not worth trying: placing it must be expected to cost less
+    per success than what the fleet pays per success.
+
+    The task succeeds only if this step and the steps still to come meet their deadlines; with
+    nothing known of the later ones, each is as likely as this one is now: P = p^(1 + left).
+    Placing spends, in expectation, what this step and each later step take from the fleet (the
+    best option's marginal cost, GPU time at the workers' utilisation, once per step left);
+    declining loses the task. The task's worth is what it costs in full (its spend so far plus
+    each step left at its full price) over `worth_probability`, the chance a task whose
+    steps are all paid in full must have to be worth trying: refuse when P x worth < marginal
+    cost, i.e. P < worth_probability x marginal / full. On an idle fleet the marginal cost is
+    near nothing (idle GPU time is paid for anyway) and only a hopeless deadline is refused; on a
+    saturated one a new workflow needs the full chance, a late step of an expensive one far
+    less."""
+    likeliest = max(options, key=lambda o: o.probability)
+    left = 0
+    if request.workflow_step is not None and request.workflow_steps is not None:
+        left = max(0, request.workflow_steps - request.workflow_step)
+    task_probability = likeliest.probability ** (1 + left)
+    best = min(options, key=lambda o: o.score)
+    steps = 1 + left
+    full = request.workflow_spent_usd + steps * best.cost_usd
+    # (The marginal cost can exceed the charged one, the KV held for a long completion
+    # included: no task needs more than the full chance.)
+    floor = config.worth_probability * (min(1.0, steps * best.marginal_usd / full) if full > 0 else 0.0)
+    floor = max(config.min_success_probability, floor)
+    if task_probability >= floor:
+        return None
+    reason = (
+        f"no placement is worth its cost: the likeliest completes in "
+        f"{likeliest.completion_s:.2f} s (probability {likeliest.probability:.3f}; deadline), "
+        f"{request.deadline_at - now if request.deadline_at is not None else math.inf:.2f} s are left"
+    )
+    if left:
+        reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
+    return NoPlacement("infeasible", reason + f" (needs {floor:.3f})")
+
+
 def place(
     state: RouterState, request: RouteRequest, prefix: PrefixView, now: float
 ) -> Placement | NoPlacement:
@@ -925,22 +971,9 @@ def place(
         return scored
     options, considered = scored
     if request.deadline_at is not None:
-        likeliest = max(options, key=lambda o: o.probability)
-        # The task succeeds only if this step and the steps still to come meet their deadlines;
-        # with nothing known of the later ones, each is as likely as this one is now.
-        left = 0
-        if request.workflow_step is not None and request.workflow_steps is not None:
-            left = max(0, request.workflow_steps - request.workflow_step)
-        task_probability = likeliest.probability ** (1 + left)
-        if task_probability < state.config.min_success_probability:
-            reason = (
-                f"no placement meets the deadline: the likeliest completes in "
-                f"{likeliest.completion_s:.2f} s (probability {likeliest.probability:.3f}), "
-                f"{request.deadline_at - now:.2f} s are left"
-            )
-            if left:
-                reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
-            return NoPlacement("infeasible", reason)
+        refused = _refuse(state.config, request, options, now)
+        if refused is not None:
+            return refused
     best = _best(options, request.request_id)
     prefill, decode = best.prefill, best.decode
     block = request.block_size
