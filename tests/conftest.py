@@ -8,6 +8,7 @@ whole suite runs on a 3-node JetStream cluster with R3 streams.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
@@ -92,6 +93,24 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory, nats_auth: NatsAuth) -
     server = EmbeddedNats(tmp_path_factory.mktemp("nats"), nodes=TEST_NATS_NODES, auth=nats_auth).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+async def no_task_outlives_its_test() -> AsyncIterator[None]:
+    """The suite shares one event loop: a task a test leaves running (a client reconnecting to
+    a stopped server, a consumer loop, a timer) would run on beside the tests after it. Every
+    background task is cancelled on shutdown, so a leftover one fails the test that left it."""
+    before = asyncio.all_tasks()
+    yield
+    deadline = time.monotonic() + 5.0  # closing clients finish their own tasks shortly after
+    while True:
+        left = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+        if not left or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert not left, "tasks left running after the test: " + ", ".join(
+        sorted(f"{t.get_name()} ({t.get_coro()!r:.80})" for t in left)
+    )
 
 
 @pytest.fixture

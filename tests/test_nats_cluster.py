@@ -121,6 +121,8 @@ async def test_a_node_and_the_ledger_lost_under_load_lose_no_request(
     clock = Clock()
     tenant = mesh.credentials("acme")
     admin: nats.NATS | None = None
+    nc: nats.NATS | None = None
+    background: list[asyncio.Task[None]] = []
     try:
         admin = await nats.connect(
             nats_cluster.urls, **reconnecting_options("test-admin"), **mesh.connect_options()
@@ -192,6 +194,7 @@ async def test_a_node_and_the_ledger_lost_under_load_lose_no_request(
 
         probing = asyncio.create_task(probe())
         watching = asyncio.create_task(watch_leaders())
+        background += [probing, watching]
         tasks: list[asyncio.Task[Outcome]] = []
         ledger_restart: asyncio.Task[None] | None = None
         for i in range(REQUESTS):
@@ -212,8 +215,15 @@ async def test_a_node_and_the_ledger_lost_under_load_lose_no_request(
         await asyncio.gather(probing, return_exceptions=True)
         await _check(mesh, nats_cluster, victim.name, clock, outcomes)
     finally:
-        if admin is not None:
-            await admin.close()
+        # Nothing of this test may outlive it: the suite shares one event loop, and a client
+        # left reconnecting to the stopped cluster would keep running beside later tests.
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        for connection in (nc, admin):
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(connection.close(), timeout=10)
         await asyncio.to_thread(mesh.stop)
 
 

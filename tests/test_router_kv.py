@@ -429,7 +429,8 @@ async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
             engine.release(request.request_id)
 
         for start in range(0, 510, 30):
-            await asyncio.gather(*(prefill(i) for i in range(start, start + 30)))
+            # Bounded, so a stuck fill says so rather than running into the test's timeout.
+            await asyncio.wait_for(asyncio.gather(*(prefill(i) for i in range(start, start + 30))), 30)
         cached = set(engine.cached_block_hashes())
         assert len(cached) > 100_000
         whole = KvDump(
