@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import signal
 import sys
 import time
@@ -20,39 +21,27 @@ from services.mesh.config import ConfigError, config_path, default_data_dir, loa
 console = Console(stderr=True)
 
 ENGINE_CHOICES = ["sim", "hf", "vllm"]
-SERVICES = ("ingress", "admission", "router", "prefill", "decode", "autoscaler", "ledger")
+
+
+# Imported on demand: a service process loads only its own dependencies (torch for a worker
+# with the hf engine, SQLAlchemy for the ledger).
+_SERVICE_CLASSES = {
+    "ingress": ("services.ingress.service", "IngressService"),
+    "admission": ("services.admission.service", "AdmissionService"),
+    "router": ("services.router.service", "RouterService"),
+    "prefill": ("services.prefill.service", "PrefillService"),
+    "decode": ("services.decode.service", "DecodeService"),
+    "autoscaler": ("services.autoscaler.service", "AutoscalerService"),
+    "ledger": ("services.ledger.service", "LedgerService"),
+}
+SERVICES = tuple(_SERVICE_CLASSES)
 
 
 def _service(name: str) -> Any:
-    if name == "ingress":
-        from services.ingress.service import IngressService
-
-        return IngressService()
-    if name == "admission":
-        from services.admission.service import AdmissionService
-
-        return AdmissionService()
-    if name == "router":
-        from services.router.service import RouterService
-
-        return RouterService()
-    if name == "prefill":
-        from services.prefill.service import PrefillService
-
-        return PrefillService()
-    if name == "decode":
-        from services.decode.service import DecodeService
-
-        return DecodeService()
-    if name == "autoscaler":
-        from services.autoscaler.service import AutoscalerService
-
-        return AutoscalerService()
-    if name == "ledger":
-        from services.ledger.service import LedgerService
-
-        return LedgerService()
-    raise click.BadParameter(f"unknown service {name!r}")
+    if name not in _SERVICE_CLASSES:
+        raise click.BadParameter(f"unknown service {name!r}")
+    module, cls = _SERVICE_CLASSES[name]
+    return getattr(importlib.import_module(module), cls)()
 
 
 @click.group()
