@@ -49,6 +49,25 @@ def prefill(event_id: str, request_id: str, worker: str, seconds: float) -> Pref
     )
 
 
+def migrated(
+    event_id: str, request_id: str, from_worker: str, delivered: int, remaining: int
+) -> RequestMigrated:
+    """The request's first migration, off a lost decode worker after `delivered` tokens."""
+    return RequestMigrated(
+        event_id=event_id,
+        occurred_at=T0 + 2,
+        request_id=request_id,
+        tenant="acme",
+        migration=1,
+        reason="worker_lost",
+        from_worker=from_worker,
+        from_phase="decode",
+        resume_seq=delivered,
+        delivered_tokens=delivered,
+        remaining_tokens=remaining,
+    )
+
+
 async def record(store: LedgerStore, events: list[LifecycleEvent]) -> None:
     result = await store.record_batch(events, PRICES)
     assert all(result.flags)
@@ -95,19 +114,7 @@ async def test_a_migrated_request_counts_every_workers_time_and_completes(store:
         store,
         [
             prefill("p1", "m1", "prefill-0", 1.0),
-            RequestMigrated(
-                event_id="g1",
-                occurred_at=T0 + 2,
-                request_id="m1",
-                tenant="acme",
-                migration=1,
-                reason="worker_lost",
-                from_worker="decode-0",
-                from_phase="decode",
-                resume_seq=41,
-                delivered_tokens=41,
-                remaining_tokens=59,
-            ),
+            migrated("g1", "m1", from_worker="decode-0", delivered=41, remaining=59),
             prefill("p2", "m1", "prefill-0", 0.5),  # the re-prefill of prompt + delivered tokens
             DecodeCompleted(
                 event_id="d1",
@@ -143,21 +150,7 @@ async def test_a_migrated_request_counts_every_workers_time_and_completes(store:
     assert [row.worker_id for row in rows] == ["decode-0"]
     # Recorded once: a replay of the same migration event (another router replica) is dropped.
     again = await store.record_batch(
-        [
-            RequestMigrated(
-                event_id="g1",
-                occurred_at=T0 + 2,
-                request_id="m1",
-                tenant="acme",
-                migration=1,
-                reason="worker_lost",
-                from_worker="decode-0",
-                from_phase="decode",
-                resume_seq=41,
-                delivered_tokens=41,
-                remaining_tokens=59,
-            )
-        ],
+        [migrated("g1", "m1", from_worker="decode-0", delivered=41, remaining=59)],
         PRICES,
     )
     assert again.flags == [False]
