@@ -34,6 +34,30 @@ class EngineInfo:
     adapters: tuple[str, ...] = ()
 
 
+def check_request(
+    request: InferenceRequest, info: EngineInfo, max_context_tokens: int, vocab_size: int | None = None
+) -> None:
+    """What every engine refuses before taking a request (EngineError, code "invalid"): another
+    model, another block size, an empty prompt, prompt + max_tokens past the context, and (when
+    the engine knows its vocabulary) token ids outside it. Engines add their own checks."""
+    if request.model != info.model:
+        raise EngineError(f"model {request.model!r} is not loaded here ({info.model!r})")
+    if request.block_size != info.block_size:
+        raise EngineError(
+            f"block size mismatch: request hashed with {request.block_size}, engine uses {info.block_size}"
+        )
+    prompt = request.prompt_tokens
+    if not prompt:
+        raise EngineError("the prompt is empty")
+    if len(prompt) + request.max_tokens > max_context_tokens:
+        raise EngineError(
+            f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) "
+            f"exceeds the model's context of {max_context_tokens} tokens"
+        )
+    if vocab_size and (min(prompt) < 0 or max(prompt) >= vocab_size):
+        raise EngineError(f"prompt has token ids outside the model's vocabulary (0..{vocab_size - 1})")
+
+
 @dataclass(frozen=True, slots=True)
 class KvBlockEvent:
     """A change to the engine's prefix cache, by chained block hash (services/mesh/block_hash.py).

@@ -45,6 +45,7 @@ from services.engines.base import (
     EngineSnapshot,
     KvBlockEvent,
     PrefillResult,
+    check_request,
 )
 from services.engines.hf import kv_io
 from services.engines.hf.blocks import KvBlockCache
@@ -189,31 +190,13 @@ class HfEngine:
     # ------------------------------------------------------------ protocol
 
     def _check(self, request: InferenceRequest) -> None:
-        if request.model != self.info.model:
-            raise EngineError(f"model {request.model!r} is not loaded here ({self.info.model!r})")
-        if request.block_size != self.info.block_size:
-            raise EngineError(
-                f"block size mismatch: request hashed with {request.block_size}, "
-                f"engine uses {self.info.block_size}"
-            )
+        check_request(request, self.info, self.max_context_tokens, self.lm.vocab_size)
         prompt = request.prompt_tokens
-        if not prompt:
-            raise EngineError("the prompt is empty")
-        total = len(prompt) + request.max_tokens
-        if total > self.max_context_tokens:
-            raise EngineError(
-                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) "
-                f"exceeds the model's context of {self.max_context_tokens} tokens"
-            )
-        if min(prompt) < 0 or max(prompt) >= self.lm.vocab_size:
-            raise EngineError(
-                f"prompt has token ids outside the model's vocabulary (0..{self.lm.vocab_size - 1})"
-            )
         expected = chain_block_hashes(prompt, request.block_size, model=request.model)
         if request.block_hashes != expected:
             # Reusing KV under a wrong hash would silently corrupt output: refuse.
             raise EngineError("the request's block hashes do not match its prompt tokens")
-        if self.blocks.blocks_for(total) > self.blocks.total_blocks:
+        if self.blocks.blocks_for(len(prompt) + request.max_tokens) > self.blocks.total_blocks:
             raise EngineError("request needs more KV blocks than this engine has")
         if request.request_id in self._resident:
             raise EngineError(f"request {request.request_id} is already on this engine")

@@ -42,6 +42,7 @@ from services.engines.base import (
     KvBlockEvent,
     PrefillResult,
     RealClock,
+    check_request,
 )
 from services.engines.sim.blocks import BlockManager
 from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S, PerfModel
@@ -224,27 +225,14 @@ class SimEngine:
     # ------------------------------------------------------------ protocol
 
     def _check(self, request: InferenceRequest) -> None:
-        if request.model != self.info.model:
-            raise EngineError(f"model {request.model!r} is not loaded here ({self.info.model!r})")
-        if request.block_size != self.info.block_size:
-            raise EngineError(
-                f"block size mismatch: request hashed with {request.block_size}, "
-                f"engine uses {self.info.block_size}"
-            )
+        check_request(request, self.info, self.max_context_tokens)
         prompt = len(request.prompt_tokens)
-        if prompt == 0:
-            raise EngineError("empty prompt")
         if len(request.block_hashes) != prompt // self.info.block_size:
             raise EngineError(
                 f"{len(request.block_hashes)} block hashes for a {prompt}-token prompt "
                 f"in blocks of {self.info.block_size}"
             )
         total = prompt + request.max_tokens
-        if total > self.max_context_tokens:
-            raise EngineError(
-                f"prompt ({prompt}) + max_tokens ({request.max_tokens}) "
-                f"exceeds the model's context of {self.max_context_tokens} tokens"
-            )
         if self.blocks.blocks_for(total) > self.blocks.total_blocks:
             raise EngineError("request needs more KV blocks than this engine has", code="capacity")
         if request.request_id in self._resident:

@@ -71,6 +71,7 @@ from services.engines.base import (
     EngineSnapshot,
     KvBlockEvent,
     PrefillResult,
+    check_request,
 )
 from services.engines.vllm.accounting import SchedulerView, ShareClock, Throughput
 from services.engines.vllm.kv_events import KvEventTranslator, ZmqKvEventSubscriber
@@ -325,23 +326,7 @@ class VllmEngine:
 
     def _check(self, request: InferenceRequest) -> None:
         """Reject what vLLM would reject, before anything is submitted."""
-        if request.model != self.info.model:
-            raise EngineError(f"model {request.model!r} is not loaded here ({self.info.model!r})")
-        if request.block_size != self.info.block_size:
-            raise EngineError(
-                f"block size mismatch: request hashed with {request.block_size}, "
-                f"engine uses {self.info.block_size}"
-            )
-        prompt = request.prompt_tokens
-        if not prompt:
-            raise EngineError("empty prompt")
-        if len(prompt) + request.max_tokens > self.max_model_len:
-            raise EngineError(
-                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        if self._vocab_size and not all(0 <= t < self._vocab_size for t in prompt):
-            raise EngineError(f"prompt has token ids outside the model's vocabulary of {self._vocab_size}")
+        check_request(request, self.info, self.max_model_len, self._vocab_size)
         if request.request_id in self._seqs:
             raise EngineError(f"request {request.request_id} is already on this engine")
 
