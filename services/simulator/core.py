@@ -305,6 +305,7 @@ class Simulator:
     def _serve(self, worker: SimWorker, now: float) -> None:
         worker.ready_at = now
         self.serving[worker.worker_id] = worker
+        self.prefix.changed()
         self._observe(worker, now)
 
     def _observe(self, worker: SimWorker, now: float) -> None:
@@ -352,6 +353,7 @@ class Simulator:
     def _remove(self, worker: SimWorker, now: float) -> None:
         worker.removed_at = now
         self.serving.pop(worker.worker_id, None)
+        self.prefix.changed()
         self.starting.pop(worker.worker_id, None)
         self.router_state.forget(worker.worker_id)
 

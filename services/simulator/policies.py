@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping, Sequence
 
+from services.engines.sim.blocks import EPOCH
 from services.router import baselines
 from services.router import policy as router_policy
 from services.router.policy import NoPlacement, Placement, PrefixView, RouteRequest, RouterState
@@ -38,6 +39,10 @@ class FleetPrefixView:
     never another position's block, so a worker caching any prefix of the prompt is in the index
     (tested against visiting every worker). A workload without prefix sharing
     (`shared_prefixes=False`: no two requests share a block) has nothing to find, and no index.
+
+    A request's matches are asked twice at one instant (admission's prediction, then the
+    placement): the last result is reused while the instant, the prompt, the fleet (`changed`)
+    and every cache (`blocks.EPOCH`) are the same.
     """
 
     SWEEP_SLACK = 1024
@@ -50,6 +55,13 @@ class FleetPrefixView:
         self._entries = 0
         self._sweep_at = self.SWEEP_SLACK
         self._rank: dict[str, int] = {}  # worker -> its place in `workers` (the fleet's order)
+        # The last `overlaps`: (its prompt, now, the cache epoch, the fleet's version) -> result.
+        self._last: tuple[Sequence[int], float, int, int, dict[str, int]] | None = None
+        self._fleet_version = 0
+
+    def changed(self) -> None:
+        """A worker joined or left `workers`."""
+        self._fleet_version += 1
 
     def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         worker = self.workers.get(worker_id)
@@ -73,6 +85,20 @@ class FleetPrefixView:
         fleet's order."""
         if not block_hashes or not self.shared_prefixes:
             return {}
+        last = self._last
+        if (
+            last is not None
+            and last[0] is block_hashes
+            and last[1] == self.now
+            and last[2] == EPOCH.value
+            and last[3] == self._fleet_version
+        ):
+            return last[4]
+        found = self._overlaps(block_hashes)
+        self._last = (block_hashes, self.now, EPOCH.value, self._fleet_version, found)
+        return found
+
+    def _overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         first = block_hashes[0]
         holders = self._holders.get(first)
         if not holders:

@@ -38,6 +38,20 @@ def _consume(calls: Iterable[object]) -> None:
     deque(calls, maxlen=0)
 
 
+class CacheEpoch:
+    """A count of the changes to what any BlockManager caches (a block cached or evicted, its
+    references going to or from none): while it stands still, every prefix match stands. The
+    fleet simulator's prefix view reuses a match result within an instant while it does."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+EPOCH = CacheEpoch()
+
+
 @dataclass(slots=True)
 class _Holding:
     shared: list[int] = field(default_factory=list)  # hashes pinned in the cache, in block order
@@ -156,6 +170,8 @@ class BlockManager:
         if new_blocks > self.available_blocks - reused_unreferenced:
             return None
         distinct = len(set(prefix)) == matched
+        if matched:
+            EPOCH.value += 1
         if distinct:
             refs.update(zip(prefix, map(add, counts, repeat(1)), strict=True))
             if reused_unreferenced:
@@ -207,6 +223,7 @@ class BlockManager:
         if stop <= start:
             return
         new = list(holding.pending[start - holding.base : stop - holding.base])
+        EPOCH.value += 1
         holding.computed_to = stop
         holding.private -= stop - start
         holding.shared.extend(new)
@@ -235,6 +252,7 @@ class BlockManager:
             return
         shared = holding.shared
         if shared:
+            EPOCH.value += 1
             refs = self._refs
             # Deepest blocks first, so eviction takes a chain's tail before its shared head.
             deepest_first = shared[::-1]
@@ -266,6 +284,7 @@ class BlockManager:
     def _take(self, blocks: int) -> None:
         short = blocks - self._free
         if short > 0:
+            EPOCH.value += 1
             evicted = self._evict(short)
             _consume(map(self._refs.__delitem__, evicted))
             self._free += short
