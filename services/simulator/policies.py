@@ -104,15 +104,29 @@ class FleetPrefixView:
         if not holders:
             return {}
         workers = self.workers
+        now = self.now
         found: dict[str, int] = {}
         caching: list[str] = []
+        n = len(block_hashes)
+        deepest = block_hashes[n - 1]
         guess = 0  # workers sharing a prefix mostly share its depth: each tries the last one first
         for worker_id in holders:
             worker = workers.get(worker_id)
-            if worker is None or first not in worker.blocks._refs:
+            if worker is None:
+                continue
+            cached = worker.blocks._refs
+            if first not in cached:
                 continue
             caching.append(worker_id)
-            matched = self._matched(worker, block_hashes, guess)
+            # `_matched`, inlined (this loop visits every worker caching a shared first block).
+            if deepest in cached:
+                matched = n
+            elif 0 < guess < n and block_hashes[guess - 1] in cached and block_hashes[guess] not in cached:
+                matched = guess
+            else:
+                matched = _cached_prefix(cached, block_hashes, guess)
+            if not cached[block_hashes[matched - 1]] and worker.advance(now):
+                matched = _cached_prefix(cached, block_hashes, guess)
             if matched:
                 found[worker_id] = guess = matched
         if len(caching) < len(holders):  # evicted (or the worker gone): it re-enters when stored again
