@@ -685,6 +685,24 @@ def offer(
                 ),
             )
         )
+    if not state.deferred:
+        # Nothing queued: the request is the head at once. `drain`'s decision on it, without the
+        # queue's bookkeeping when it is admitted (the same outcome, the same fair-queuing state).
+        due, _ = _due_at(request, limits, now, prediction)
+        if due > now:  # else it expires at once in `drain`
+            bound = limits.admit_below(request.priority, request.workflow_standing)
+            if not predicted and saturation(state, limits) < bound:
+                prediction, predicted = predict(request), True
+            if predicted:
+                value = saturation(state, limits, prediction)
+                if value < bound:
+                    state.saturation = value
+                    start, finish = _tags(state, request, weight)
+                    state._seq += 1
+                    state._last_finish[(request.priority, request.tenant)] = finish
+                    state._virtual[request.priority] = max(state._virtual.get(request.priority, 0.0), start)
+                    state.admitted_since += 1
+                    return Admit(0.0, "admitted")
     # Not yet predicted (lazy): `drain` predicts it when it reaches the head.
     entry = _enqueue(state, request, weight, limits, now, prediction, now if predicted else -math.inf)
     before = len(state.outcomes)
@@ -737,12 +755,7 @@ def _enqueue(
 ) -> _Entry:
     start, finish = _tags(state, request, weight)
     state._last_finish[(request.priority, request.tenant)] = finish
-    due = now + limits.max_defer_s
-    deadline_bound = False
-    if request.deadline_at is not None:
-        margin = prediction.finish_s if prediction is not None else limits.deadline_margin_s
-        if request.deadline_at - margin < due:
-            due, deadline_bound = request.deadline_at - margin, True
+    due, deadline_bound = _due_at(request, limits, now, prediction)
     state._seq += 1
     rank = _standing_key(request)
     key = (-rank[0], -rank[1], -rank[2], start, state._seq)
@@ -759,6 +772,18 @@ def _enqueue(
     heapq.heappush(state._due, (entry.due, state._seq, entry))
     heapq.heappush(state._starts.setdefault(request.priority, []), (start, state._seq, entry))
     return entry
+
+
+def _due_at(
+    request: AdmissionRequest, limits: AdmissionLimits, now: float, prediction: Prediction | None
+) -> tuple[float, bool]:
+    """When a deferred request must be decided by, and whether its deadline sets that."""
+    due = now + limits.max_defer_s
+    if request.deadline_at is not None:
+        margin = prediction.finish_s if prediction is not None else limits.deadline_margin_s
+        if request.deadline_at - margin < due:
+            return request.deadline_at - margin, True
+    return due, False
 
 
 def _remove(state: AdmissionState, entry: _Entry) -> None:
