@@ -145,6 +145,7 @@ class _RequestRun:
         "queue_s",
         "reserved",
         "rid",
+        "route_request",
         "spec",
         "task_run",
         "upper_bound",
@@ -170,6 +171,7 @@ class _RequestRun:
         self.placed: tuple[str, ...] = ()
         self.outcome: tuple[str, float] | None = None  # to log once its GPU time is all charged
         self.done = False
+        self.route_request: RouteRequest | None = None  # as last built (`Simulator._route_request`)
 
 
 class _TenantFigures:
@@ -466,10 +468,14 @@ class Simulator:
             self._route(req, now)
 
     def _route_request(self, req: _RequestRun) -> RouteRequest:
-        """The request as the router sees it (and admission's prediction of its first token)."""
+        """The request as the router sees it (and admission's prediction of its first token): built
+        once, again only if the workflow's spend changed since (the one field that moves)."""
         task_run = req.task_run
+        built = req.route_request
+        if built is not None and built.workflow_spent_usd == task_run.spend:
+            return built
         task, spec = task_run.task, req.spec
-        return RouteRequest(
+        built = req.route_request = RouteRequest(
             request_id=req.rid,
             tenant=task.tenant,
             model=self.workload.model,
@@ -484,6 +490,7 @@ class Simulator:
             workflow_steps=task.steps if task.workflow else None,
             workflow_spent_usd=task_run.spend,
         )
+        return built
 
     def _route(self, req: _RequestRun, now: float) -> None:
         """Place an admitted request and hand it to its workers."""
