@@ -266,6 +266,31 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
 
 
+def test_no_new_workflow_while_the_decode_batches_are_past_their_knee() -> None:
+    # Both workers run 250 sequences of 4,000 tokens: a decode step reads a gigabyte of KV and
+    # a token takes some 60 ms. A new workflow (its first step) would only slow those in flight:
+    # refused, though its deadline is easy. A later step of a running workflow and a single
+    # request (no workflow) still go, and the same first step goes to a fleet with short batches.
+    full = {"used": TOTAL // 2, "running": 250, "context": 250 * 4000}
+    task = {"output": 300, "deadline_in": 60.0, "workflow_id": "wf", "workflow_steps": 4}
+
+    def busy() -> RouterState:
+        return state_of(view("a", **full), view("b", **full))
+
+    new = place(busy(), request(workflow_step=1, **task), Cached(), NOW)
+    assert isinstance(new, NoPlacement) and new.reason == "infeasible", new
+    assert "past their knee" in new.message
+    later = decide(busy(), request(workflow_step=2, workflow_spent_usd=0.001, **task))
+    assert later.success_probability > 0.99
+    decide(busy(), request(output=300, deadline_in=60.0))
+    short = {"used": TOTAL // 2, "running": 20, "context": 20 * 4000}
+    decide(state_of(view("a", **short), view("b", **short)), request(workflow_step=1, **task))
+    # The gate is configuration: without it the first step goes.
+    state = busy()
+    state.config = dataclasses.replace(state.config, new_task_max_tpot_s=None)
+    decide(state, request(workflow_step=1, **task))
+
+
 def test_workflow_sunk_cost_and_prefix() -> None:
     # "risky" is cheap with a backlog that makes a 6 s deadline a coin toss; "safe" is dear
     # and idle. A first step with nothing spent takes the cheap gamble; the last step of a

@@ -186,6 +186,12 @@ class RouterConfig:
     # The chance a task that takes its steps' full price from the fleet must have to be worth
     # trying (`_refuse`: scaled by the marginal over the full cost of what is left).
     worth_probability: float = 0.9
+    # A new workflow (its first step) is refused while its best predicted time per output token
+    # is above this: the decode batches are past their knee (each extra sequence's KV read
+    # adds as much step time as it adds throughput), so a new task only stretches the steps of
+    # those in flight and the backlog that outlives the arrivals. Fitted on the agentic
+    # workload (x10 and x20, two seeds; docs/router.md); None: no such gate.
+    new_task_max_tpot_s: float | None = 0.04
     # The chance that a cached block the request evicts would have been reused (its re-prefill
     # is then charged to this placement).
     evicted_reuse_probability: float = 0.25
@@ -696,6 +702,7 @@ class _Option:
     probability: float
     score: float
     marginal_usd: float = 0.0  # what the fleet gives up for it (GPU time at its utilisation, KV)
+    tpot_s: float = 0.0  # predicted time per output token
 
     def scored(self, sunk: float) -> ScoredOption:
         return ScoredOption(
@@ -821,6 +828,7 @@ def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _
         probability=probability,
         score=score,
         marginal_usd=marginal,
+        tpot_s=tpot,
     )
 
 
@@ -950,8 +958,16 @@ def _refuse(
     # included: no task needs more than the full chance.)
     floor = config.worth_probability * (min(1.0, steps * best.marginal_usd / full) if full > 0 else 0.0)
     floor = max(config.min_success_probability, floor)
-    if task_probability >= floor:
+    if task_probability >= floor and not _overloaded(config, request, options):
         return None
+    if task_probability >= floor:
+        return NoPlacement(
+            "infeasible",
+            f"the fleet's decode batches are past their knee: a new workflow would decode at "
+            f"{min(o.tpot_s for o in options) * 1000:.0f} ms a token (the bound is "
+            f"{(config.new_task_max_tpot_s or 0.0) * 1000:.0f} ms); its steps would only slow "
+            "those in flight",
+        )
     reason = (
         f"no placement is worth its cost: the likeliest completes in "
         f"{likeliest.completion_s:.2f} s (probability {likeliest.probability:.3f}; deadline), "
@@ -960,6 +976,15 @@ def _refuse(
     if left:
         reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
     return NoPlacement("infeasible", reason + f" (needs {floor:.3f})")
+
+
+def _overloaded(config: RouterConfig, request: RouteRequest, options: list[_Option]) -> bool:
+    """A new workflow (its first step) would decode slower than `new_task_max_tpot_s` a token."""
+    if config.new_task_max_tpot_s is None or (request.workflow_step or 1) > 1:
+        return False
+    if request.workflow_steps is None or request.workflow_steps < 2:
+        return False
+    return min(o.tpot_s for o in options) > config.new_task_max_tpot_s
 
 
 def place(
