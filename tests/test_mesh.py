@@ -78,7 +78,11 @@ async def test_one_request_is_one_trace_across_every_service(mesh: Mesh) -> None
             wanted.add("prefill")
         # The HTTP span ends last, after the response body is sent.
         has_root = any(s["name"] == "POST /v1/chat/completions" for s in found)
-        return found if modes and wanted <= services and has_root else None
+        # Each process writes its spans out every 200 ms: wait for every parent to be written
+        # (a consumer taking a message directly ends before its producer span does).
+        ids = {s["span_id"] for s in found}
+        whole = sum(s["parent_id"] not in ids for s in found) == 1
+        return found if modes and wanted <= services and has_root and whole else None
 
     found = wait_until(spans, timeout_s=15)
     assert len({s["trace_id"] for s in found}) == 1

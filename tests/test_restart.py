@@ -13,7 +13,7 @@ import pytest
 from ripplemesh.client import MeshClient
 from ripplemesh.launcher import Mesh
 from schemas.events import WorkflowRef
-from schemas.subjects import WORKFLOW_SPEND
+from schemas.subjects import LEDGER_CONSUMER, WORKFLOW_SPEND
 from services.ledger.workflow_spend import decode_workflow_spend
 from services.mesh.bus import Bus
 from tests.conftest import wait_until
@@ -26,7 +26,22 @@ def _ledger(mesh: Mesh, path: str) -> dict:  # type: ignore[type-arg]
         return json.loads(response.read())  # type: ignore[no-any-return]
 
 
+async def _ledger_caught_up(bus: Bus, timeout_s: float = 30.0) -> None:
+    """Wait until the ledger has recorded every lifecycle event so far (it runs at a lower
+    priority and may still be recording the requests of the tests before)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        info = await bus.js.consumer_info(LEDGER_CONSUMER.stream, LEDGER_CONSUMER.durable)
+        if (info.num_pending or 0) == 0 and (info.num_ack_pending or 0) == 0:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"ledger behind: {info.num_pending} pending, {info.num_ack_pending} unacked")
+        await asyncio.sleep(0.1)
+
+
 async def test_ledger_killed_mid_stream_counts_every_request_exactly_once(mesh: Mesh, bus: Bus) -> None:
+    await _ledger_caught_up(bus)
     before = _ledger(mesh, "/v1/ledger/totals")
     before_report = _ledger(mesh, "/v1/ledger/report")["fleet"]
     requests, max_tokens = 40, 20

@@ -231,6 +231,7 @@ class AdmissionService:
             RequestPrepared,
             self._on_prepared,
             max_inflight=self.limits.max_deferred + 256,
+            direct=True,
         )
 
     async def stop(self) -> None:

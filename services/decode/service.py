@@ -41,12 +41,14 @@ class DecodeService:
             DecodeWork,
             self.host.lifecycle.guarded(self._on_decode),
             max_inflight=256,
+            direct=True,
         )
         await runtime.consume(
             worker_consumer("prefill", worker_id),
             PrefillWork,
             self.host.lifecycle.guarded(self._on_aggregated),
             max_inflight=256,
+            direct=True,
         )
 
     async def stop(self) -> None:

@@ -187,7 +187,9 @@ class IngressService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        await runtime.consume(INGRESS_CONSUMER, ClientEvent, self._on_client_event, max_inflight=256)
+        await runtime.consume(
+            INGRESS_CONSUMER, ClientEvent, self._on_client_event, max_inflight=256, direct=True
+        )
 
     async def stop(self) -> None:
         return None

@@ -12,6 +12,16 @@ Contract (docs/architecture.md, "Reliability"):
 
 Messages are pulled continuously (one outstanding pull sized by free capacity), so a message is
 handled as soon as it arrives rather than when a batch fills.
+
+Direct hand-off (``fast_path``, the request path's consumers): the publisher's JetStream
+publish is also heard on a core NATS queue subscription to the consumer's subject, so the
+handler starts at core NATS latency, before the stream has stored the message and delivered
+it. The stored copy stays the record: when it is delivered it is held (progress reported)
+until the handler has finished, then acked; if the handler failed it takes the usual path
+(nak with backoff, dead letter); if the process dies meanwhile it is redelivered. Replicas of
+one durable announce themselves on ``rmesh.presence.<durable>``: the direct hand-off runs only
+in a replica that hears no other (a direct copy and the stored copy could otherwise go to two
+replicas, and the request be handled twice).
 """
 
 from __future__ import annotations
@@ -57,6 +67,17 @@ PULL_EXPIRES_S = 5.0
 PULL_HEARTBEAT_S = 1.0
 MAX_PULL_BATCH = 256
 SEEN_IDS_KEPT = 50_000
+# Direct hand-off: replicas of a durable announce themselves every PRESENCE_EVERY_S on
+# PRESENCE_PREFIX + durable; one not heard for PEER_TIMEOUT_S is gone. A replica listens for
+# LISTEN_BEFORE_DIRECT_S before it takes messages directly, and starts pulling
+# ANNOUNCE_BEFORE_PULL_S after its first announcement: a replica that was alone and taking
+# messages directly has heard it by then and stopped, and the stored copies of what it took
+# just before (stored and delivered within milliseconds) have gone to its own pull.
+PRESENCE_PREFIX = "rmesh.presence."
+PRESENCE_EVERY_S = 1.0
+PEER_TIMEOUT_S = 3.0
+LISTEN_BEFORE_DIRECT_S = 1.5
+ANNOUNCE_BEFORE_PULL_S = 0.1
 
 
 class PermanentError(Exception):
@@ -220,6 +241,7 @@ class Consumer(Generic[E]):
         handler: Handler[E],
         *,
         max_inflight: int = 64,
+        fast_path: bool = False,
     ):
         self.bus = bus
         self.spec = spec
@@ -232,6 +254,11 @@ class Consumer(Generic[E]):
         self._feed = PullFeed(bus, spec.stream, spec.durable, self._free, self._capacity_freed, self._start)
         self._loop_task: asyncio.Task[None] | None = None
         self._advisory_sub: Subscription | None = None
+        # event_id -> its handler running now (either path), with the stored copy once delivered.
+        self._running: dict[str, _Running] = {}
+        self._presence: _Presence | None = _Presence(bus, spec.durable) if fast_path else None
+        self._direct_sub: Subscription | None = None
+        self._stopping = False
 
     def _free(self) -> int:
         return self.max_inflight - len(self._inflight)
@@ -241,15 +268,108 @@ class Consumer(Generic[E]):
         await self._feed.start()
         advisory = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream}.{self.spec.durable}"
         self._advisory_sub = await self.bus.nc.subscribe(advisory, cb=self._on_max_deliveries)
+        if self._presence is not None:
+            await self._presence.start()
+            self._direct_sub = await self.bus.nc.subscribe(
+                self.spec.filter_subject, queue=self.spec.durable, cb=self._on_direct
+            )
         self._loop_task = asyncio.create_task(self._run(), name=f"consume-{self.spec.durable}")
 
     async def _run(self) -> None:
+        if self._presence is not None:
+            await asyncio.sleep(ANNOUNCE_BEFORE_PULL_S)
         await self._feed.run()
 
     def _start(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._handle(msg))
+        """A stored copy delivered by the pull."""
+        if self._running or self._presence is not None:
+            event_id = msg.headers.get("Nats-Msg-Id") if msg.headers else None
+            if event_id:
+                running = self._running.get(event_id)
+                if running is not None:
+                    running.hold(msg, max(self.spec.ack_wait_s / 3, 0.5))
+                    return
+                if event_id in self._seen:  # taken directly and done: the record goes
+                    self._track(asyncio.create_task(self._ack(msg)))
+                    MESSAGES.labels(self.spec.durable, "direct").inc()
+                    return
+        self._track(asyncio.create_task(self._handle(msg)))
+
+    def _track(self, task: asyncio.Task[None]) -> None:
         self._inflight.add(task)
         task.add_done_callback(self._done)
+
+    async def _on_direct(self, msg: Msg) -> None:
+        """The publish itself, heard on core NATS before the stream delivers its stored copy."""
+        if self._stopping or self._presence is None or not self._presence.alone() or self._free() <= 0:
+            return
+        try:
+            event = self._decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # the stored copy is dead-lettered
+        event_id: str = getattr(event, "event_id", "")
+        if not event_id or event_id in self._running or event_id in self._seen:
+            return
+        running = _Running()
+        self._running[event_id] = running
+        self._track(asyncio.create_task(self._handle_direct(msg, event, event_id, running)))
+
+    async def _handle_direct(self, msg: Msg, event: E, event_id: str, running: _Running) -> None:
+        started = time.perf_counter()
+        name = self.spec.durable
+        headers = msg.headers or {}
+        delivery = Delivery(msg.subject, headers, 1, 0)
+        failure: Exception | None = None
+        try:
+            with tracer().start_as_current_span(
+                f"process {subject_family(msg.subject)}",
+                context=extract_context(headers),
+                kind=SpanKind.CONSUMER,
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.operation.type": "process",
+                    "messaging.destination.name": msg.subject,
+                    "messaging.consumer.group.name": name,
+                    "messaging.message.id": event_id,
+                    "messaging.message.delivery_count": 1,
+                    "ripple.direct": True,
+                    **_request_id_attribute(event),
+                },
+            ) as span:
+                try:
+                    await self.handler(event, delivery)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    span.set_status(Status(StatusCode.ERROR, repr(exc)))
+                    failure = exc
+        except asyncio.CancelledError:
+            # Shutdown mid-handler: the stored copy stays unacked and is redelivered.
+            self._running.pop(event_id, None)
+            running.release()
+            raise
+        self._running.pop(event_id, None)
+        stored = running.release()
+        if failure is None:
+            self._seen.add(event_id)
+            if stored is not None:
+                await self._ack(stored)
+            MESSAGES.labels(name, "ok").inc()
+            HANDLER_SECONDS.labels(name).observe(time.perf_counter() - started)
+            return
+        # Failed: the stored copy takes the usual path (here now, or when it is delivered).
+        if stored is None:
+            log.warning(
+                "direct handler failed; the stored copy retries",
+                extra={"consumer": name, "error": repr(failure)},
+            )
+            return
+        stored_delivery = _delivery_of(stored)
+        if isinstance(failure, PermanentError):
+            await self._dead_letter(stored, stored_delivery, f"rejected by handler: {failure}")
+            MESSAGES.labels(name, "dead_lettered").inc()
+        else:
+            await self._retry_or_dead_letter(stored, stored_delivery, failure)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
@@ -257,7 +377,13 @@ class Consumer(Generic[E]):
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop fetching, let in-flight handlers finish (up to `grace_s`), then cancel the rest."""
+        self._stopping = True
         self._feed.stop()
+        if self._direct_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._direct_sub.unsubscribe()
+        if self._presence is not None:
+            await self._presence.stop()
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._loop_task, timeout=2.0)
@@ -277,12 +403,8 @@ class Consumer(Generic[E]):
     async def _handle(self, msg: Msg) -> None:
         started = time.perf_counter()
         name = self.spec.durable
-        headers = dict(msg.headers or {})
-        try:
-            meta = msg.metadata
-            delivery = Delivery(msg.subject, headers, meta.num_delivered, meta.sequence.stream)
-        except Exception:
-            delivery = Delivery(msg.subject, headers, 1, 0)
+        delivery = _delivery_of(msg)
+        headers = delivery.headers
         try:
             event = self._decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -294,6 +416,31 @@ class Consumer(Generic[E]):
             await self._ack(msg)
             MESSAGES.labels(name, "duplicate").inc()
             return
+        if self._presence is not None and event_id:
+            running = self._running.get(event_id)
+            if running is not None:  # its direct copy is being handled: this one waits for it
+                running.hold(msg, max(self.spec.ack_wait_s / 3, 0.5))
+                return
+            # Its direct copy, if it comes later, is left to this one.
+            placeholder = _Running()
+            self._running[event_id] = placeholder
+            try:
+                await self._handle_event(msg, delivery, headers, event, event_id, started)
+            finally:
+                self._running.pop(event_id, None)
+                redelivered = placeholder.release()
+            if redelivered is not None:  # delivered again meanwhile: settle that delivery too
+                if event_id in self._seen:
+                    await self._ack(redelivered)
+                else:
+                    self._track(asyncio.create_task(self._handle(redelivered)))
+            return
+        await self._handle_event(msg, delivery, headers, event, event_id, started)
+
+    async def _handle_event(
+        self, msg: Msg, delivery: Delivery, headers: dict[str, str], event: E, event_id: str, started: float
+    ) -> None:
+        name = self.spec.durable
         with tracer().start_as_current_span(
             f"process {subject_family(msg.subject)}",
             context=extract_context(headers),
@@ -399,6 +546,94 @@ class Consumer(Generic[E]):
                 await self.bus.js.delete_msg(self.spec.stream, seq)
         except Exception as exc:
             log.error("max-deliveries advisory not handled", extra={"error": repr(exc)})
+
+
+def _delivery_of(msg: Msg) -> Delivery:
+    headers = dict(msg.headers or {})
+    try:
+        meta = msg.metadata
+        return Delivery(msg.subject, headers, meta.num_delivered, meta.sequence.stream)
+    except Exception:
+        return Delivery(msg.subject, headers, 1, 0)
+
+
+class _Running:
+    """A handler running for one event id, and the stored copy waiting for its outcome."""
+
+    __slots__ = ("_progress", "stored")
+
+    def __init__(self) -> None:
+        self.stored: Msg | None = None
+        self._progress: _ProgressReporter | None = None
+
+    def hold(self, msg: Msg, progress_every_s: float) -> None:
+        """The stored copy arrived while the handler runs: keep it (reporting progress)."""
+        if self._progress is not None:
+            self._progress.cancel()
+        self.stored = msg  # a redelivery replaces the previous delivery: only its ack counts
+        self._progress = _ProgressReporter(msg, progress_every_s)
+
+    def release(self) -> Msg | None:
+        if self._progress is not None:
+            self._progress.cancel()
+            self._progress = None
+        return self.stored
+
+
+class _Presence:
+    """The replicas of one durable, heard on core NATS: the direct hand-off runs only alone."""
+
+    def __init__(self, bus: Bus, durable: str):
+        self._bus = bus
+        self._subject = PRESENCE_PREFIX + durable
+        self._me = new_event_id().encode()
+        self._peers: dict[bytes, float] = {}
+        self._started = 0.0
+        self._sub: Subscription | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._started = time.monotonic()
+
+        async def heard(msg: Msg) -> None:
+            if msg.data != self._me:
+                if msg.data.startswith(b"bye:"):
+                    self._peers.pop(msg.data[4:], None)
+                else:
+                    self._peers[msg.data] = time.monotonic()
+
+        self._sub = await self._bus.nc.subscribe(self._subject, cb=heard)
+        self._task = asyncio.create_task(self._announce(), name=f"presence-{self._subject}")
+
+    async def _announce(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self._bus.nc.publish(self._subject, self._me)
+            await asyncio.sleep(PRESENCE_EVERY_S)
+
+    def alone(self) -> bool:
+        now = time.monotonic()
+        if now - self._started < LISTEN_BEFORE_DIRECT_S:
+            return False
+        if self._peers:
+            for peer, heard_at in list(self._peers.items()):
+                if now - heard_at > PEER_TIMEOUT_S:
+                    del self._peers[peer]
+            return not self._peers
+        return True
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self._bus.nc.publish(self._subject, b"bye:" + self._me)
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
 
 
 def _request_id_attribute(event: object) -> dict[str, str]:

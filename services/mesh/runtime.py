@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import cProfile
 import json
 import logging
 import os
@@ -142,9 +143,20 @@ class Runtime:
                 log.warning("stopping hook failed", extra={"error": repr(exc)})
 
     async def consume(
-        self, spec: ConsumerSpec, event_type: Any, handler: Handler[Any], *, max_inflight: int = 64
+        self,
+        spec: ConsumerSpec,
+        event_type: Any,
+        handler: Handler[Any],
+        *,
+        max_inflight: int = 64,
+        direct: bool = False,
     ) -> Consumer[Any]:
-        consumer: Consumer[Any] = Consumer(self.bus, spec, event_type, handler, max_inflight=max_inflight)
+        """Run a durable consumer. `direct`: the request path's hand-off (consumer.py), unless
+        ``RIPPLEMESH_DIRECT_HANDOFF=0`` turns it off for the process."""
+        direct = direct and os.environ.get("RIPPLEMESH_DIRECT_HANDOFF", "1") != "0"
+        consumer: Consumer[Any] = Consumer(
+            self.bus, spec, event_type, handler, max_inflight=max_inflight, fast_path=direct
+        )
         await consumer.start()
         self.consumers.append(consumer)
         return consumer
@@ -222,6 +234,25 @@ def _lower_priority_if_background(service: Service) -> None:
             os.nice(niceness)
 
 
+def _start_profile() -> cProfile.Profile | None:
+    """With ``RIPPLEMESH_PROFILE_DIR`` set, profile the running service (cProfile, from start-up
+    done to shutdown) into ``<dir>/<service>-<pid>.prof``: where each request's CPU goes."""
+    if not os.environ.get("RIPPLEMESH_PROFILE_DIR"):
+        return None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _save_profile(profiler: cProfile.Profile | None, name: str) -> None:
+    if profiler is None:
+        return
+    profiler.disable()
+    directory = Path(os.environ["RIPPLEMESH_PROFILE_DIR"])
+    directory.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(directory / f"{name}-{os.getpid()}.prof")
+
+
 async def run_service(service: Service, options: ServiceOptions) -> None:
     """Run one service until SIGTERM/SIGINT, then shut it down gracefully."""
     _lower_priority_if_background(service)
@@ -257,9 +288,11 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
     runtime_ref["ready"] = True
     UP.labels(service.name).set(1)
     log.info("service started", extra={"nats_url": options.nats_url, "http_port": options.http_port})
+    profiler = _start_profile()
     try:
         await stop.wait()
     finally:
+        _save_profile(profiler, service.name)
         log.info("shutting down")
         runtime_ref["ready"] = False
         UP.labels(service.name).set(0)

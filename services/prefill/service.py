@@ -40,6 +40,7 @@ class PrefillService:
             PrefillWork,
             self.host.lifecycle.guarded(self._on_work),
             max_inflight=256,
+            direct=True,
         )
 
     async def stop(self) -> None:

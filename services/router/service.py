@@ -145,7 +145,9 @@ class RouterService:
         # Hear the other replicas before placing anything (bounded: they are advisory).
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.feedback.subscribed.wait(), timeout=2.0)
-        await runtime.consume(ROUTER_CONSUMER, RequestAdmitted, self._on_admitted, max_inflight=256)
+        await runtime.consume(
+            ROUTER_CONSUMER, RequestAdmitted, self._on_admitted, max_inflight=256, direct=True
+        )
 
     async def stop(self) -> None:
         return None
