@@ -9,6 +9,8 @@ import pytest
 
 from services.admission import policy as admission_policy
 from services.admission.policy import TenantQuota
+from services.router.policy import RouterConfig, RouterState
+from services.simulator import core as simulator_core
 from services.simulator import run_simulation
 from services.simulator.admission import parse_admission
 from services.simulator.core import RequestRecord
@@ -49,9 +51,16 @@ def test_deferred_requests_are_decided_before_their_deadline_and_every_request_e
     assert {"admission:capacity"} <= set(result.rejections)
 
 
-def test_under_overload_admission_protects_critical_traffic_and_cuts_waste() -> None:
-    runs = {name: run_simulation(overload(), FLEET, admission=name) for name in ("ripplemesh", "none")}
-    admitted, uncontrolled = runs["ripplemesh"], runs["none"]
+def test_under_overload_admission_protects_critical_traffic_and_cuts_waste(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Admission's own controls against none, behind a router that refuses only hopeless
+    # deadlines (its refusal of tasks not worth their cost and of new workflows past the decode
+    # knee, a control of its own, off in both runs).
+    lax = RouterConfig(worth_probability=0.0, new_task_max_tpot_s=None)
+    monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=lax))
+    admitted = run_simulation(overload(), FLEET, admission="ripplemesh")
+    uncontrolled = run_simulation(overload(), FLEET, admission="none")
     assert uncontrolled.deferred_requests == 0 and not any(
         k.startswith("admission:") for k in uncontrolled.rejections
     )
