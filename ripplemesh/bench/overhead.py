@@ -27,6 +27,7 @@ from rich.table import Table
 from ripplemesh.client import MeshClient
 from ripplemesh.launcher import Mesh
 from schemas.events import StreamFailed, TokenChunk
+from schemas.subjects import LEDGER_CONSUMER
 from services.mesh.embedded_nats import EmbeddedNats, free_port
 
 # Messages on the path to the first token: client -> ingress -> admission -> router -> prefill
@@ -42,6 +43,21 @@ def _cpu_seconds(pid: int) -> float:
 
 def _cpu_by_service(mesh: Mesh) -> dict[str, float]:
     return {c.name: _cpu_seconds(c.process.pid) for c in mesh.children if c.process is not None}
+
+
+async def _ledger_caught_up(url: str, timeout_s: float = 60.0) -> None:
+    """Until the ledger has acked every lifecycle event so far."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = await js.consumer_info(LEDGER_CONSUMER.stream, LEDGER_CONSUMER.durable)
+            if not info.num_pending and not info.num_ack_pending:
+                return
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -91,8 +107,12 @@ async def _measure(
         # Warm up connections, consumers and code paths before measuring.
         for i in range(10):
             await mesh_ttft(-i)
+        await _ledger_caught_up(url)
         cpu_before = cpu()
         mesh = await _paced(count, rate, mesh_ttft, progress, "mesh")
+        # The ledger runs at a lower priority and may still be recording: its CPU counts once
+        # it has caught up.
+        await _ledger_caught_up(url)
         cpu_after = cpu()
         # CPU per request by service: unlike latency, hardly affected by other load on the machine.
         cpu_per_request = {name: (cpu_after[name] - cpu_before[name]) / count for name in cpu_before}
