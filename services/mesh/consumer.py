@@ -257,6 +257,11 @@ class Consumer(Generic[E]):
         # event_id -> its handler running now (either path), with the stored copy once delivered.
         self._running: dict[str, _Running] = {}
         self._presence: _Presence | None = _Presence(bus, spec.durable) if fast_path else None
+        # The per-message metrics' children, looked up once.
+        self._count_ok = MESSAGES.labels(spec.durable, "ok")
+        self._count_direct = MESSAGES.labels(spec.durable, "direct")
+        self._count_duplicate = MESSAGES.labels(spec.durable, "duplicate")
+        self._handler_seconds = HANDLER_SECONDS.labels(spec.durable)
         self._direct_sub: Subscription | None = None
         self._stopping = False
 
@@ -291,7 +296,7 @@ class Consumer(Generic[E]):
                     return
                 if event_id in self._seen:  # taken directly and done: the record goes
                     self._track(asyncio.create_task(self._ack(msg)))
-                    MESSAGES.labels(self.spec.durable, "direct").inc()
+                    self._count_direct.inc()
                     return
         self._track(asyncio.create_task(self._handle(msg)))
 
@@ -354,8 +359,8 @@ class Consumer(Generic[E]):
             self._seen.add(event_id)
             if stored is not None:
                 await self._ack(stored)
-            MESSAGES.labels(name, "ok").inc()
-            HANDLER_SECONDS.labels(name).observe(time.perf_counter() - started)
+            self._count_ok.inc()
+            self._handler_seconds.observe(time.perf_counter() - started)
             return
         # Failed: the stored copy takes the usual path (here now, or when it is delivered).
         if stored is None:
@@ -414,7 +419,7 @@ class Consumer(Generic[E]):
         event_id: str = getattr(event, "event_id", "")
         if event_id and event_id in self._seen:
             await self._ack(msg)
-            MESSAGES.labels(name, "duplicate").inc()
+            self._count_duplicate.inc()
             return
         if self._presence is not None and event_id:
             running = self._running.get(event_id)
@@ -476,8 +481,8 @@ class Consumer(Generic[E]):
         if event_id:
             self._seen.add(event_id)
         await self._ack(msg)
-        MESSAGES.labels(name, "ok").inc()
-        HANDLER_SECONDS.labels(name).observe(time.perf_counter() - started)
+        self._count_ok.inc()
+        self._handler_seconds.observe(time.perf_counter() - started)
 
     async def _retry_or_dead_letter(self, msg: Msg, delivery: Delivery, exc: Exception) -> None:
         attempt = delivery.num_delivered
