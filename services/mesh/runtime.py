@@ -235,11 +235,12 @@ def _lower_priority_if_background(service: Service) -> None:
 
 
 def _start_profile() -> cProfile.Profile | None:
-    """With ``RIPPLEMESH_PROFILE_DIR`` set, profile the running service (cProfile, from start-up
-    done to shutdown) into ``<dir>/<service>-<pid>.prof``: where each request's CPU goes."""
+    """With ``RIPPLEMESH_PROFILE_DIR`` set, profile the running service (cProfile on CPU time,
+    from start-up done to shutdown) into ``<dir>/<service>-<pid>.prof``: where each request's
+    CPU goes."""
     if not os.environ.get("RIPPLEMESH_PROFILE_DIR"):
         return None
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)  # CPU time: descheduled time is not cost
     profiler.enable()
     return profiler
 
