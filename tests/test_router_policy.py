@@ -16,6 +16,7 @@ from services.router.policy import (
     NoPlacement,
     NoPrefix,
     Placement,
+    RouterConfig,
     RouteRequest,
     RouterState,
     WorkerSpeed,
@@ -266,7 +267,7 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
 
 
-def test_no_new_workflow_while_the_decode_batches_are_past_their_knee() -> None:
+def test_with_the_gate_set_no_new_workflow_while_the_decode_batches_are_past_their_knee() -> None:
     # Both workers run 250 sequences of 4,000 tokens: a decode step reads a gigabyte of KV and
     # a token takes some 60 ms. A new workflow (its first step) would only slow those in flight:
     # refused, though its deadline is easy. A later step of a running workflow and a single
@@ -274,8 +275,10 @@ def test_no_new_workflow_while_the_decode_batches_are_past_their_knee() -> None:
     full = {"used": TOTAL // 2, "running": 250, "context": 250 * 4000}
     task = {"output": 300, "deadline_in": 60.0, "workflow_id": "wf", "workflow_steps": 4}
 
-    def busy() -> RouterState:
-        return state_of(view("a", **full), view("b", **full))
+    def busy(gate: float | None = 0.04) -> RouterState:
+        state = state_of(view("a", **full), view("b", **full))
+        state.config = dataclasses.replace(state.config, new_task_max_tpot_s=gate)
+        return state
 
     new = place(busy(), request(workflow_step=1, **task), Cached(), NOW)
     assert isinstance(new, NoPlacement) and new.reason == "infeasible", new
@@ -284,11 +287,13 @@ def test_no_new_workflow_while_the_decode_batches_are_past_their_knee() -> None:
     assert later.success_probability > 0.99
     decide(busy(), request(output=300, deadline_in=60.0))
     short = {"used": TOTAL // 2, "running": 20, "context": 20 * 4000}
-    decide(state_of(view("a", **short), view("b", **short)), request(workflow_step=1, **task))
-    # The gate is configuration: without it the first step goes.
-    state = busy()
-    state.config = dataclasses.replace(state.config, new_task_max_tpot_s=None)
-    decide(state, request(workflow_step=1, **task))
+    shorter = state_of(view("a", **short), view("b", **short))
+    shorter.config = busy().config
+    decide(shorter, request(workflow_step=1, **task))
+    # The gate is configuration, off by default (behind the project's admission it would refuse
+    # what admission has just let through): without it the first step goes.
+    assert RouterConfig().new_task_max_tpot_s is None
+    decide(busy(None), request(workflow_step=1, **task))
 
 
 def test_workflow_sunk_cost_and_prefix() -> None:
