@@ -27,8 +27,10 @@ re-prefill of evicted blocks; sunk cost = what the workflow spent already; P(suc
 probability of completing by the deadline (1 without one). The lowest score wins; aggregated and
 disaggregated options compete on the same score. With sunk cost 0 and P = 1 the score is just
 the cheapest fast placement; as the sunk cost grows, the probability of success weighs more.
-When no option has a useful probability of meeting a hard deadline, the request is
-`NoPlacement("infeasible")`: admission rejects it instead of spending GPU time on it.
+When no option has a useful probability of meeting a hard deadline, or placing the task is
+expected to cost more per success than it is worth (its chance against the marginal over the
+full cost of what is left: `_refuse`), the request is `NoPlacement("infeasible")`: admission
+rejects it instead of spending GPU time on it.
 
 Candidates are pruned so that a decision costs O(k log n), not O(n): the workers caching the
 longest prefix of the request (from the prefix view's `overlaps`) plus the k least-loaded
