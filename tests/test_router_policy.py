@@ -110,6 +110,13 @@ def request(
     )
 
 
+def lax(state: RouterState) -> RouterState:
+    """The state with the router's refusal of tasks not worth their cost off (a test of another
+    axis on a saturated fleet, where a new task would be refused as not worth it)."""
+    state.config = dataclasses.replace(state.config, worth_probability=0.0)
+    return state
+
+
 def decide(state: RouterState, req: RouteRequest, prefix: Cached | None = None) -> Placement:
     decision = place(state, req, prefix or Cached(), NOW)
     assert isinstance(decision, Placement), decision
@@ -216,8 +223,9 @@ def test_latency_budget() -> None:
 
 
 def test_an_unreachable_deadline_is_infeasible() -> None:
+    # (The hopeless floor alone: the refusal of what is not worth its cost is off.)
     backlog = {"queued": 2_000_000, "running": 50, "used": TOTAL // 2}
-    state = state_of(view("a", **backlog), view("b", **backlog))
+    state = lax(state_of(view("a", **backlog), view("b", **backlog)))
     req = request(deadline_in=5.0)
     decision = place(state, req, Cached(), NOW)
     assert isinstance(decision, NoPlacement) and decision.reason == "infeasible"
@@ -233,9 +241,12 @@ def test_an_unreachable_deadline_is_infeasible() -> None:
     # stake, would be tried.
     ok = {"queued": 130_000, "running": 50, "used": TOTAL // 2}
     step = {"deadline_in": 7.0, "workflow_id": "wf", "workflow_steps": 8}
-    first = place(state_of(view("a", **ok)), request(workflow_step=1, **step), Cached(), NOW)
+    first = place(lax(state_of(view("a", **ok))), request(workflow_step=1, **step), Cached(), NOW)
     last = place(
-        state_of(view("a", **ok)), request(workflow_step=8, workflow_spent_usd=0.01, **step), Cached(), NOW
+        lax(state_of(view("a", **ok))),
+        request(workflow_step=8, workflow_spent_usd=0.01, **step),
+        Cached(),
+        NOW,
     )
     assert isinstance(first, NoPlacement) and first.reason == "infeasible", first
     assert isinstance(last, Placement)
@@ -262,6 +273,10 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     idle = state_of(view("a", used=1000, running=30), view("b", used=1000, running=30))
     tried = decide(idle, request(deadline_in=5.4, workflow_step=1, **task))
     assert 0.9 < tried.success_probability < 0.97
+    # With the fleet's time fully taken (the backlog), even a sure first step is not worth it
+    # (worth_probability above 1): it would only queue behind the work in flight.
+    sure = place(saturated(), request("r3", deadline_in=600.0, workflow_step=1, **task), Cached(), NOW)
+    assert isinstance(sure, NoPlacement) and "probability 1.000" in sure.message, sure
     # Below the floor of hope (5%) nothing is tried, however idle the fleet.
     hopeless = place(idle, request("r2", deadline_in=3.0, workflow_step=1, **task), Cached(), NOW)
     assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
@@ -276,7 +291,7 @@ def test_with_the_gate_set_no_new_workflow_while_the_decode_batches_are_past_the
     task = {"output": 300, "deadline_in": 60.0, "workflow_id": "wf", "workflow_steps": 4}
 
     def busy(gate: float | None = 0.04) -> RouterState:
-        state = state_of(view("a", **full), view("b", **full))
+        state = lax(state_of(view("a", **full), view("b", **full)))
         state.config = dataclasses.replace(state.config, new_task_max_tpot_s=gate)
         return state
 
@@ -301,9 +316,11 @@ def test_workflow_sunk_cost_and_prefix() -> None:
     # and idle. A first step with nothing spent takes the cheap gamble; the last step of a
     # workflow that has already spent $0.50 is worth protecting: the safe worker.
     def fleet() -> RouterState:
-        return state_of(
-            view("risky", price=2.0, used=TOTAL // 2, queued=140_000, running=40),
-            view("safe", price=40.0, used=TOTAL // 2),
+        return lax(
+            state_of(
+                view("risky", price=2.0, used=TOTAL // 2, queued=140_000, running=40),
+                view("safe", price=40.0, used=TOTAL // 2),
+            )
         )
 
     common = {"priority": "sheddable", "deadline_in": 7.0, "workflow_id": "wf", "workflow_steps": 6}
