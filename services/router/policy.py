@@ -186,11 +186,11 @@ class RouterConfig:
     # No option gives the task at least this chance of meeting its deadlines: infeasible.
     min_success_probability: float = 0.05
     # The chance a task that takes its steps' full price from the fleet must have to be worth
-    # trying (`_refuse`: scaled by the marginal over the full cost of what is left). Above 1, a
-    # fleet whose marginal cost is within 1/1.1 of the full price tries no new task, however
-    # likely. Fitted on the agentic workload (0.9, 1.0, 1.1 at x10 and x20, two seeds, both
-    # admissions; docs/router.md).
-    worth_probability: float = 1.1
+    # trying (`_refuse`: scaled by the marginal over the full cost of what is left). Fitted on
+    # the agentic workload (0.9, 1.0, 1.1 at x10 and x20, two seeds, both admissions;
+    # docs/router.md): above 1 was cheaper on a fixed fleet, but a saturated fleet then tries no
+    # new task at all, and an autoscaled one never sees the load that would grow it.
+    worth_probability: float = 0.9
     # When set: a new workflow (its first step) is refused while its best predicted time per
     # output token is above this, the decode batches past their knee (each extra sequence's KV
     # read adds about as much step time as throughput), where a new task only stretches the
