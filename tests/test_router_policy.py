@@ -267,7 +267,7 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
 
     new = place(saturated(), request(deadline_in=8.0, workflow_step=1, **task), Cached(), NOW)
     assert isinstance(new, NoPlacement) and new.reason == "infeasible", new
-    assert "task's chance is 0.7" in new.message
+    assert "worth its cost" in new.message and "task's chance is 0.7" in new.message
     last = decide(saturated(), request(deadline_in=8.0, workflow_step=4, workflow_spent_usd=0.002, **task))
     assert 0.9 < last.success_probability < 0.97
     idle = state_of(view("a", used=1000, running=30), view("b", used=1000, running=30))
@@ -280,6 +280,7 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     # Below the floor of hope (5%) nothing is tried, however idle the fleet.
     hopeless = place(idle, request("r2", deadline_in=3.0, workflow_step=1, **task), Cached(), NOW)
     assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
+    assert "no placement meets the deadline" in hopeless.message
 
 
 def test_with_the_gate_set_no_new_workflow_while_the_decode_batches_are_past_their_knee() -> None:

@@ -976,9 +976,11 @@ def _refuse(
             f"{(config.new_task_max_tpot_s or 0.0) * 1000:.0f} ms); its steps would only slow "
             "those in flight",
         )
+    hopeless = task_probability < config.min_success_probability
     reason = (
-        f"no placement is worth its cost: the likeliest completes in "
-        f"{likeliest.completion_s:.2f} s (probability {likeliest.probability:.3f}; deadline), "
+        f"{'no placement meets the deadline' if hopeless else 'no placement is worth its cost'}: "
+        f"the likeliest completes in {likeliest.completion_s:.2f} s (probability "
+        f"{likeliest.probability:.3f}), "
         f"{request.deadline_at - now if request.deadline_at is not None else math.inf:.2f} s are left"
     )
     if left:
