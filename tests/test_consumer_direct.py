@@ -181,3 +181,38 @@ async def test_replicas_hear_each_other_and_handle_each_event_once(bus: Bus, str
     finally:
         for replica in replicas:
             await replica.stop()
+
+
+async def test_mesh_subjects_hand_off_on_the_direct_subject(bus: Bus) -> None:
+    # A subject the mesh's publishers send a direct copy of (bus.py: rmesh.work.*): the
+    # consumer takes that copy, with the stream's subject, and acks the stored one.
+    worker = f"t{uuid.uuid4().hex[:10]}"
+    subject = f"rmesh.work.prefill.{worker}"
+    spec = ConsumerSpec(
+        durable=f"direct-{worker}", stream="WORK", filter_subject=subject, max_deliver=3, ack_wait_s=2
+    )
+    handled: list[tuple[str, str, int]] = []
+
+    async def handler(event: RequestRejected, delivery: Delivery) -> None:
+        handled.append((event.event_id, delivery.subject, delivery.stream_seq))
+
+    consumer = Consumer(bus, spec, RequestRejected, handler, fast_path=True)
+    await consumer.start()
+    try:
+        await asyncio.sleep(0.7)
+        event = _event()
+        await bus.publish(subject, event)
+        await _until(lambda: bool(handled))
+
+        async def settled() -> bool:
+            info = await bus.js.consumer_info("WORK", spec.durable)
+            return not info.num_pending and not info.num_ack_pending
+
+        deadline = time.monotonic() + 10
+        while not await settled():
+            assert time.monotonic() < deadline, "the stored copy was not acked"
+            await asyncio.sleep(0.05)
+        assert handled == [(event.event_id, subject, 0)]
+    finally:
+        await consumer.stop()
+        await bus.js.delete_consumer("WORK", spec.durable)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -62,6 +63,31 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     nats.js.errors.ServiceUnavailableError,
     asyncio.TimeoutError,
 )
+
+
+# The direct hand-off (consumer.py): a publish to a subject whose consumers take messages
+# directly also goes, first, as a core NATS message to the same subject under DIRECT_PREFIX,
+# which no stream captures (a core subscriber of a stream's own subject hears it a quarter
+# millisecond later: the server ingests it into the stream first).
+DIRECT_PREFIX = "rmesh.direct."
+DIRECT_SOURCES = ("rmesh.prepared.", "rmesh.admitted.", "rmesh.work.")
+
+
+def direct_handoff_enabled() -> bool:
+    """``RIPPLEMESH_DIRECT_HANDOFF=0`` turns the direct hand-off off for the process."""
+    return os.environ.get("RIPPLEMESH_DIRECT_HANDOFF", "1") != "0"
+
+
+def direct_subject(subject: str) -> str:
+    """Where the direct copy of a message on `subject` (or a filter) goes."""
+    return DIRECT_PREFIX + subject.removeprefix("rmesh.")
+
+
+def stream_subject_of(subject: str) -> str:
+    """The stream's subject of a direct copy (a subject without the prefix is returned as is)."""
+    if subject.startswith(DIRECT_PREFIX):
+        return "rmesh." + subject[len(DIRECT_PREFIX) :]
+    return subject
 
 
 def nats_servers(url: str) -> list[str]:
@@ -163,6 +189,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
         self.service = service
         self.replicas = replicas
+        self.direct = direct_handoff_enabled()
         self._kv: dict[str, KeyValue] = {}
         self._kv_objects: ObjectStore | None = None
         # Fast publishes whose stream ack is awaited in the background (replicated streams).
@@ -322,7 +349,12 @@ class Bus:
             },
         ):
             headers = inject_headers({"Nats-Msg-Id": event.event_id})
-            await publish_acked(self.js, subject, encode_event(event), headers, timeout_s=timeout_s)
+            payload = encode_event(event)
+            if self.direct and subject.startswith(DIRECT_SOURCES):
+                # The consumer may start on this copy; the stored one below stays the record.
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(direct_subject(subject), payload, headers=headers)
+            await publish_acked(self.js, subject, payload, headers, timeout_s=timeout_s)
 
     async def publish_fast(self, subject: str, event: Event) -> None:
         """Publish without waiting for the stream's ack (token chunks: many, small, ordered by seq).

@@ -44,7 +44,7 @@ from prometheus_client import Counter, Histogram
 
 from schemas.events import DeadLetter, derived_event_id, new_event_id
 from schemas.subjects import ConsumerSpec, dlq_subject
-from services.mesh.bus import Bus
+from services.mesh.bus import DIRECT_SOURCES, Bus, direct_subject, stream_subject_of
 from services.mesh.tracing import REQUEST_ID, extract_context, subject_family, tracer
 
 log = logging.getLogger(__name__)
@@ -275,8 +275,13 @@ class Consumer(Generic[E]):
         self._advisory_sub = await self.bus.nc.subscribe(advisory, cb=self._on_max_deliveries)
         if self._presence is not None:
             await self._presence.start()
+            # Publishers in the mesh send a direct copy (bus.py); others (a tenant's client on
+            # rmesh.req) only publish to the stream: their publish itself is heard.
+            subject = self.spec.filter_subject
+            if subject.startswith(DIRECT_SOURCES):
+                subject = direct_subject(subject)
             self._direct_sub = await self.bus.nc.subscribe(
-                self.spec.filter_subject, queue=self.spec.durable, cb=self._on_direct
+                subject, queue=self.spec.durable, cb=self._on_direct
             )
         self._loop_task = asyncio.create_task(self._run(), name=f"consume-{self.spec.durable}")
 
@@ -323,17 +328,18 @@ class Consumer(Generic[E]):
         started = time.perf_counter()
         name = self.spec.durable
         headers = msg.headers or {}
-        delivery = Delivery(msg.subject, headers, 1, 0)
+        subject = stream_subject_of(msg.subject)
+        delivery = Delivery(subject, headers, 1, 0)
         failure: Exception | None = None
         try:
             with tracer().start_as_current_span(
-                f"process {subject_family(msg.subject)}",
+                f"process {subject_family(subject)}",
                 context=extract_context(headers),
                 kind=SpanKind.CONSUMER,
                 attributes={
                     "messaging.system": "nats",
                     "messaging.operation.type": "process",
-                    "messaging.destination.name": msg.subject,
+                    "messaging.destination.name": subject,
                     "messaging.consumer.group.name": name,
                     "messaging.message.id": event_id,
                     "messaging.message.delivery_count": 1,

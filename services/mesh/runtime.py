@@ -153,7 +153,7 @@ class Runtime:
     ) -> Consumer[Any]:
         """Run a durable consumer. `direct`: the request path's hand-off (consumer.py), unless
         ``RIPPLEMESH_DIRECT_HANDOFF=0`` turns it off for the process."""
-        direct = direct and os.environ.get("RIPPLEMESH_DIRECT_HANDOFF", "1") != "0"
+        direct = direct and self.bus.direct
         consumer: Consumer[Any] = Consumer(
             self.bus, spec, event_type, handler, max_inflight=max_inflight, fast_path=direct
         )
