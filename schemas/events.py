@@ -259,7 +259,7 @@ class RouteDecision(Event, frozen=True, kw_only=True, tag="router.decision.v1"):
     # The router replica that decided (replicas skip their own decisions).
     router: Identifier
     policy: str
-    outcome: Literal["placed", "no_workers", "invalid", "infeasible"]
+    outcome: Literal["placed", "no_workers", "invalid", "infeasible", "saturated"]
     message: str | None = None
     chosen: RouteOption | None = None
     runners_up: list[RouteOption] = []

@@ -266,7 +266,8 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
         return state_of(view("a", **busy), view("b", **busy))
 
     new = place(saturated(), request(deadline_in=8.0, workflow_step=1, **task), Cached(), NOW)
-    assert isinstance(new, NoPlacement) and new.reason == "infeasible", new
+    # Refused for the fleet's load, not the deadline: a capacity rejection, worth retrying later.
+    assert isinstance(new, NoPlacement) and new.reason == "saturated", new
     assert "worth its cost" in new.message and "task's chance is 0.7" in new.message
     last = decide(saturated(), request(deadline_in=8.0, workflow_step=4, workflow_spent_usd=0.002, **task))
     assert 0.9 < last.success_probability < 0.97
@@ -297,7 +298,7 @@ def test_with_the_gate_set_no_new_workflow_while_the_decode_batches_are_past_the
         return state
 
     new = place(busy(), request(workflow_step=1, **task), Cached(), NOW)
-    assert isinstance(new, NoPlacement) and new.reason == "infeasible", new
+    assert isinstance(new, NoPlacement) and new.reason == "saturated", new
     assert "past their knee" in new.message
     later = decide(busy(), request(workflow_step=2, workflow_spent_usd=0.001, **task))
     assert later.success_probability > 0.99

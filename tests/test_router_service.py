@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import msgspec
 import pytest
@@ -49,7 +49,7 @@ from services.router import reporting
 from services.router.feedback import count_peer_placement
 from services.router.kv_index import KvIndex
 from services.router.policy import NoPlacement, RouterConfig, RouterState, place
-from services.router.service import RouterService, route_request, view_of
+from services.router.service import REJECTION_REASONS, RouterService, route_request, view_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -338,6 +338,9 @@ async def test_every_decision_is_an_event_with_its_predictions_and_is_counted(
             assert "block size mismatch" in (collected.decisions[mismatched.request_id].message or "")
             assert collected.decisions[late.request_id].outcome == "infeasible"
             assert collected.decisions[late.request_id].chosen is None
+            # The client hears why: no placement meets its deadline, and retrying cannot help.
+            assert collected.rejections[late.request_id].reason == "deadline"
+            assert collected.rejections[late.request_id].retry_after_s is None
             assert not {mismatched.request_id, late.request_id} & set(collected.work)
             assert (
                 counter("ripplemesh_router_prediction_error_cached_tokens_count", direction="under")
@@ -443,6 +446,16 @@ async def test_the_workflows_spend_reaches_the_decision(
             await eventually(lambda: router.workflow_spend.spent(running.workflow_id) == 0.0)
     finally:
         await fleet.stop()
+
+
+def test_every_refusal_of_the_policy_reaches_the_client_with_a_rejection_reason() -> None:
+    # A new NoPlacement reason without a rejection reason would fail the request in the shell.
+    refusals = set(get_args(get_type_hints(NoPlacement)["reason"]))
+    assert refusals == set(REJECTION_REASONS)
+    rejection_reasons = set(get_args(get_type_hints(RequestRejected)["reason"]))
+    assert set(REJECTION_REASONS.values()) <= rejection_reasons
+    # Too busy now is a capacity rejection (503, retry later); a hopeless deadline is not.
+    assert REJECTION_REASONS["saturated"] == "capacity" and REJECTION_REASONS["infeasible"] == "deadline"
 
 
 def test_the_spend_view_ignores_bad_and_older_entries() -> None:

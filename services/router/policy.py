@@ -29,8 +29,8 @@ disaggregated options compete on the same score. With sunk cost 0 and P = 1 the 
 the cheapest fast placement; as the sunk cost grows, the probability of success weighs more.
 When no option has a useful probability of meeting a hard deadline, or placing the task is
 expected to cost more per success than it is worth (its chance against the marginal over the
-full cost of what is left: `_refuse`), the request is `NoPlacement("infeasible")`: admission
-rejects it instead of spending GPU time on it.
+full cost of what is left: `_refuse`), the request is `NoPlacement("infeasible")` or
+`NoPlacement("saturated")` respectively: it is rejected instead of spending GPU time on it.
 
 Candidates are pruned so that a decision costs O(k log n), not O(n): the workers caching the
 longest prefix of the request (from the prefix view's `overlaps`) plus the k least-loaded
@@ -468,8 +468,10 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class NoPlacement:
-    # "infeasible": no placement can meet the request's hard deadline (admission is told so).
-    reason: Literal["no_workers", "invalid", "infeasible"]
+    # "infeasible": no placement can meet the request's hard deadline (admission is told so);
+    # retrying cannot help. "saturated": the fleet is too busy for the task to be worth trying
+    # now (its chance against what it would take from other work); later it may be.
+    reason: Literal["no_workers", "invalid", "infeasible", "saturated"]
     message: str
 
 
@@ -970,7 +972,7 @@ def _refuse(
         return None
     if task_probability >= floor:
         return NoPlacement(
-            "infeasible",
+            "saturated",
             f"the fleet's decode batches are past their knee: a new workflow would decode at "
             f"{min(o.tpot_s for o in options) * 1000:.0f} ms a token (the bound is "
             f"{(config.new_task_max_tpot_s or 0.0) * 1000:.0f} ms); its steps would only slow "
@@ -985,7 +987,7 @@ def _refuse(
     )
     if left:
         reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
-    return NoPlacement("infeasible", reason + f" (needs {floor:.3f})")
+    return NoPlacement("infeasible" if hopeless else "saturated", reason + f" (needs {floor:.3f})")
 
 
 def _overloaded(config: RouterConfig, request: RouteRequest, options: list[_Option]) -> bool:

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from opentelemetry import trace
@@ -61,6 +61,13 @@ WAIT_FOR_STALE_VIEW_S = 20.0
 SPAN_KV_CANDIDATES = 16
 # The policy named on a decision that placed nothing (a Placement names its own).
 POLICY = "ripplemesh"
+# How a policy's refusal reaches the client (RequestRejected.reason).
+REJECTION_REASONS: dict[str, Literal["capacity", "deadline", "invalid", "no_workers"]] = {
+    "infeasible": "deadline",
+    "saturated": "capacity",
+    "invalid": "invalid",
+    "no_workers": "no_workers",
+}
 
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 
@@ -319,11 +326,12 @@ class RouterService:
             workflow=event.request.workflow,
             deadline_at=event.request.deadline_at,
             stage="router",
-            # No placement can meet the deadline: a deadline rejection (retrying cannot help).
-            reason="deadline" if decision.reason == "infeasible" else decision.reason,
+            reason=REJECTION_REASONS[decision.reason],
             message=decision.message,
             http_status=500 if decision.reason == "invalid" else 503,
-            retry_after_s=None if decision.reason == "infeasible" else 5.0,
+            # No placement can meet the deadline: retrying cannot help. A saturated fleet or
+            # none at all: it may, later.
+            retry_after_s=None if decision.reason in ("infeasible", "invalid") else 5.0,
             seq=first_seq(event.request),  # a migrated request's stream is past seq 0
         )
 
