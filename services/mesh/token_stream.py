@@ -119,7 +119,12 @@ class TokenStream:
                 give_up_at = waiting_since + timeout
                 wake_at = min(give_up_at, read_back_at) if read_back_at is not None else give_up_at
                 try:
-                    msg = await asyncio.wait_for(self._queue.get(), timeout=max(0.0, wake_at - now))
+                    if self._queue.empty():
+                        # One timer (wait_for would add a task per wait: this is every token's path).
+                        async with asyncio.timeout(max(0.0, wake_at - now)):
+                            msg = await self._queue.get()
+                    else:
+                        msg = self._queue.get_nowait()
                 except TimeoutError:
                     now = time.monotonic()
                     if now >= give_up_at:
