@@ -214,7 +214,9 @@ class PullFeed:
                 if self._queue.empty():
                     try:
                         # Silence past a few heartbeats means the pull was lost (reconnect): reissue.
-                        msg = await asyncio.wait_for(self._queue.get(), timeout=PULL_HEARTBEAT_S * 3)
+                        # One timer (wait_for would add a task per message).
+                        async with asyncio.timeout(PULL_HEARTBEAT_S * 3):
+                            msg = await self._queue.get()
                     except TimeoutError:
                         break
                 else:
