@@ -198,12 +198,6 @@ def _cached_prefix(cached: Mapping[int, int], block_hashes: Sequence[int], guess
     return low
 
 
-def _least_loaded(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
-    return baselines.least_loaded(
-        state, request_id=q.request_id, model=q.model, block_size=q.block_size, now=now
-    )
-
-
 def make_router(name: str, prefix: PrefixView) -> Router:
     """A fresh router for one run (its own round-robin cursor). A baseline's placements are
     entered in the router state as ripplemesh's policy enters its own (the prompt tokens each
@@ -228,6 +222,16 @@ def make_router(name: str, prefix: PrefixView) -> Router:
     return bookkept
 
 
+# What each baseline reads of the RouteRequest beyond request_id, model and block_size.
+_REQUEST_FIELDS: dict[str, tuple[str, ...]] = {
+    "round_robin": (),
+    "least_loaded": (),
+    "dynamo_kv": ("block_hashes", "prompt_tokens"),
+    "llmd_weighted": ("block_hashes",),
+    "sglang_cache_aware": ("block_hashes",),
+}
+
+
 def _router(name: str, prefix: PrefixView) -> Router:
     if name == "ripplemesh":
 
@@ -235,66 +239,34 @@ def _router(name: str, prefix: PrefixView) -> Router:
             return router_policy.place(state, q, prefix, now)
 
         return ripplemesh
-    if name == "least_loaded":
-        return _least_loaded
+    if name not in _REQUEST_FIELDS:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    return _baseline(name, prefix)
+
+
+def _baseline(name: str, prefix: PrefixView) -> Router:
+    """The one adapter from the simulator's Router shape to every baseline of
+    services/router/baselines.py: the RouteRequest unpacked into the baseline's keywords, plus
+    what one run keeps (a round-robin cursor of its own; the prefix view for the cache-aware
+    rules). The function is looked up on its module at each decision."""
+    fields = _REQUEST_FIELDS[name]
+    kept: dict[str, object]
     if name == "round_robin":
-        cursor = baselines.RoundRobinState()
+        kept = {"cursor": baselines.RoundRobinState()}
+    elif fields:
+        kept = {"prefix": prefix}
+    else:
+        kept = {}
 
-        def round_robin(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
-            return baselines.round_robin(
-                state,
-                request_id=q.request_id,
-                model=q.model,
-                block_size=q.block_size,
-                now=now,
-                cursor=cursor,
-            )
+    def baseline(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
+        rule: Callable[..., Placement | NoPlacement] = getattr(baselines, name)
+        request = {field: getattr(q, field) for field in fields}
+        return rule(
+            state, request_id=q.request_id, model=q.model, block_size=q.block_size, now=now, **request, **kept
+        )
 
-        return round_robin
-    if name == "dynamo_kv":
-
-        def dynamo_kv(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
-            return baselines.dynamo_kv(
-                state,
-                request_id=q.request_id,
-                model=q.model,
-                block_size=q.block_size,
-                now=now,
-                block_hashes=q.block_hashes,
-                prompt_tokens=q.prompt_tokens,
-                prefix=prefix,
-            )
-
-        return dynamo_kv
-    if name == "llmd_weighted":
-
-        def llmd_weighted(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
-            return baselines.llmd_weighted(
-                state,
-                request_id=q.request_id,
-                model=q.model,
-                block_size=q.block_size,
-                now=now,
-                block_hashes=q.block_hashes,
-                prefix=prefix,
-            )
-
-        return llmd_weighted
-    if name == "sglang_cache_aware":
-
-        def sglang_cache_aware(state: RouterState, q: RouteRequest, now: float) -> Placement | NoPlacement:
-            return baselines.sglang_cache_aware(
-                state,
-                request_id=q.request_id,
-                model=q.model,
-                block_size=q.block_size,
-                now=now,
-                block_hashes=q.block_hashes,
-                prefix=prefix,
-            )
-
-        return sglang_cache_aware
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    baseline.__name__ = name
+    return baseline
 
 
 POLICY_NAMES: tuple[str, ...] = ("ripplemesh", *baselines.BASELINES)
