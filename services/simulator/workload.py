@@ -183,6 +183,60 @@ class Workload(ABC):
         }
 
 
+# ------------------------------------------------------------------ traces
+
+
+class _Trace(Workload):
+    """A trace file replayed as one tenant's single requests, `repeat` times back to back (the
+    Mooncake and Azure traces)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        kind: str,
+        block_size: int,
+        model: str,
+        tenant: str,
+        priority: PriorityClass,
+        deadline_s: float | None,
+        repeat: int,
+        rate_scale: float,
+        window: tuple[float, float] | None,
+        limit: int | None,
+    ):
+        super().__init__(rate_scale=rate_scale, window=window, limit=limit)
+        self._check_block_size(block_size)
+        if repeat < 1:
+            raise ValueError("repeat must be >= 1")
+        self.path = Path(path)
+        self.name = f"{kind}:{self.path.name}"
+        self.block_size = block_size
+        self.model = model
+        self.tenant = tenant
+        self.priority = priority
+        self.deadline_s = deadline_s
+        self.repeat = repeat
+        self.tenants = {tenant: Tenant(tenant, priority)}
+
+    def _check_block_size(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+
+    @abstractmethod
+    def _line_count(self) -> int:
+        """How many requests one replay of the file holds."""
+
+    def count_hint(self) -> int | None:
+        if self.window is not None:
+            return self.limit
+        total = self._line_count() * self.repeat
+        return total if self.limit is None else min(total, self.limit)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": str(self.path), "repeat": self.repeat}
+
+
 # ------------------------------------------------------------------ Mooncake
 
 
@@ -193,7 +247,7 @@ class _MooncakeLine(msgspec.Struct):
     hash_ids: list[int]
 
 
-class MooncakeTrace(Workload):
+class MooncakeTrace(_Trace):
     def __init__(
         self,
         path: str | Path,
@@ -208,23 +262,26 @@ class MooncakeTrace(Workload):
         window: tuple[float, float] | None = None,
         limit: int | None = None,
     ):
-        super().__init__(rate_scale=rate_scale, window=window, limit=limit)
+        super().__init__(
+            path,
+            kind="mooncake",
+            block_size=block_size,
+            model=model,
+            tenant=tenant,
+            priority=priority,
+            deadline_s=deadline_s,
+            repeat=repeat,
+            rate_scale=rate_scale,
+            window=window,
+            limit=limit,
+        )
+        self._sub_blocks = MOONCAKE_BLOCK_TOKENS // block_size
+
+    def _check_block_size(self, block_size: int) -> None:
         if block_size < 1 or MOONCAKE_BLOCK_TOKENS % block_size:
             raise ValueError(
                 f"block_size must divide {MOONCAKE_BLOCK_TOKENS} (Mooncake's block), got {block_size}"
             )
-        if repeat < 1:
-            raise ValueError("repeat must be >= 1")
-        self.path = Path(path)
-        self.name = f"mooncake:{self.path.name}"
-        self.block_size = block_size
-        self.model = model
-        self.tenant = tenant
-        self.priority = priority
-        self.deadline_s = deadline_s
-        self.repeat = repeat
-        self.tenants = {tenant: Tenant(tenant, priority)}
-        self._sub_blocks = MOONCAKE_BLOCK_TOKENS // block_size
 
     def _hashes(self, hash_ids: list[int], prompt: int, copy: int) -> list[int]:
         full = prompt // self.block_size
@@ -276,15 +333,6 @@ class MooncakeTrace(Workload):
         with self.path.open("rb") as handle:
             return sum(1 for raw in handle if raw.strip())
 
-    def count_hint(self) -> int | None:
-        if self.window is not None:
-            return self.limit
-        total = self._line_count() * self.repeat
-        return total if self.limit is None else min(total, self.limit)
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": str(self.path), "repeat": self.repeat}
-
 
 # ------------------------------------------------------------------ Azure
 
@@ -296,7 +344,7 @@ def _azure_time(value: str) -> float:
     return seconds + (float("0." + fraction) if fraction else 0.0)
 
 
-class AzureTrace(Workload):
+class AzureTrace(_Trace):
     prefix_sharing = False
 
     def __init__(
@@ -313,20 +361,19 @@ class AzureTrace(Workload):
         window: tuple[float, float] | None = None,
         limit: int | None = None,
     ):
-        super().__init__(rate_scale=rate_scale, window=window, limit=limit)
-        if block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if repeat < 1:
-            raise ValueError("repeat must be >= 1")
-        self.path = Path(path)
-        self.name = f"azure:{self.path.name}"
-        self.block_size = block_size
-        self.model = model
-        self.tenant = tenant
-        self.priority = priority
-        self.deadline_s = deadline_s
-        self.repeat = repeat
-        self.tenants = {tenant: Tenant(tenant, priority)}
+        super().__init__(
+            path,
+            kind="azure",
+            block_size=block_size,
+            model=model,
+            tenant=tenant,
+            priority=priority,
+            deadline_s=deadline_s,
+            repeat=repeat,
+            rate_scale=rate_scale,
+            window=window,
+            limit=limit,
+        )
         self._seed = chain_seed(model)
         self._parsed: tuple[array[float], array[int], array[int]] | None = None
 
@@ -391,15 +438,9 @@ class AzureTrace(Workload):
 
         return build
 
-    def count_hint(self) -> int | None:
-        if self.window is not None:
-            return self.limit
+    def _line_count(self) -> int:
         with self.path.open("rb") as handle:
-            total = max(0, sum(1 for raw in handle if raw.strip()) - 1) * self.repeat
-        return total if self.limit is None else min(total, self.limit)
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": str(self.path), "repeat": self.repeat}
+            return max(0, sum(1 for raw in handle if raw.strip()) - 1)  # less the header
 
 
 # ------------------------------------------------------------------ the agentic generator
