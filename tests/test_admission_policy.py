@@ -77,6 +77,13 @@ def request(
     )
 
 
+def decide_open(
+    state: AdmissionState, req: AdmissionRequest, *, limits: AdmissionLimits = LIMITS, now: float = 0.0
+) -> Admit | Defer | Reject:
+    """`decide` for a tenant with an open quota."""
+    return decide(state, request=req, quota=OPEN, limits=limits, now=now)
+
+
 def fleet(*, waiting: int = 0, workers: int = 4, kv: float = 0.0, at: float = 0.0) -> FleetLoad:
     return FleetLoad(observed_at=at, workers=workers, waiting=waiting, running=0, kv_utilisation=kv)
 
@@ -262,7 +269,7 @@ def test_under_pressure_classes_are_admitted_top_down_and_levels_within_a_class(
         request(priority="critical", rid="critical"),
     ]
     for r in offered:
-        assert isinstance(decide(state, request=r, quota=OPEN, limits=LIMITS, now=0.0), Defer)
+        assert isinstance(decide_open(state, r), Defer)
     order = []
     for step in range(1, 5):
         free_one_slot(state)
@@ -276,12 +283,8 @@ def test_a_lightly_saturated_fleet_sheds_from_the_bottom_up() -> None:
     # 0.8 saturation: under critical's and standard's bounds, over sheddable's (0.75).
     observe_fleet(state, fleet(waiting=13, workers=4))
     assert 0.75 < saturation(state, LIMITS) < 0.85
-    assert isinstance(
-        decide(state, request=request(priority="critical"), quota=OPEN, limits=LIMITS, now=0.0), Admit
-    )
-    assert isinstance(
-        decide(state, request=request(priority="sheddable"), quota=OPEN, limits=LIMITS, now=0.0), Defer
-    )
+    assert isinstance(decide_open(state, request(priority="critical")), Admit)
+    assert isinstance(decide_open(state, request(priority="sheddable")), Defer)
 
 
 def test_a_full_queue_rejects_the_lowest_ranked_request() -> None:
@@ -289,14 +292,14 @@ def test_a_full_queue_rejects_the_lowest_ranked_request() -> None:
     state = saturated_state(limits)
     low = [request(priority="sheddable", rid=f"low{i}") for i in range(2)]
     for r in low:
-        decide(state, request=r, quota=OPEN, limits=limits, now=0.0)
+        decide_open(state, r, limits=limits)
     # A standard request pushes out a sheddable one (the later of the two).
-    assert isinstance(decide(state, request=request(rid="std"), quota=OPEN, limits=limits, now=0.0), Defer)
+    assert isinstance(decide_open(state, request(rid="std"), limits=limits), Defer)
     shed = take_outcomes(state)
     assert [o.request.request_id for o in shed] == ["low1"]
     assert isinstance(shed[0].decision, Reject) and shed[0].decision.reason == "capacity"
     # Another sheddable one finds nothing below it: it is the one rejected.
-    rejected = decide(state, request=request(priority="sheddable"), quota=OPEN, limits=limits, now=0.0)
+    rejected = decide_open(state, request(priority="sheddable"), limits=limits)
     assert isinstance(rejected, Reject) and rejected.reason == "capacity"
     assert set(state.deferred) == {"low0", "std"}
 
@@ -304,8 +307,8 @@ def test_a_full_queue_rejects_the_lowest_ranked_request() -> None:
 def test_the_queue_is_bounded_in_bytes() -> None:
     limits = AdmissionLimits(max_deferred_bytes=1000)
     state = saturated_state(limits)
-    assert isinstance(decide(state, request=request(size=600), quota=OPEN, limits=limits, now=0.0), Defer)
-    full = decide(state, request=request(size=600), quota=OPEN, limits=limits, now=0.0)
+    assert isinstance(decide_open(state, request(size=600), limits=limits), Defer)
+    full = decide_open(state, request(size=600), limits=limits)
     assert isinstance(full, Reject) and full.reason == "capacity"
     assert state.deferred_bytes == 600
 
@@ -337,9 +340,9 @@ def test_a_quiet_tenant_is_not_starved_by_a_flood() -> None:
     state = saturated_state()
     limits = AdmissionLimits(max_deferred=10_000)
     for _ in range(500):
-        decide(state, request=request("flood"), quota=OPEN, limits=limits, now=0.0)
+        decide_open(state, request("flood"), limits=limits)
     quiet = request("quiet", rid="quiet")
-    decide(state, request=quiet, quota=OPEN, limits=limits, now=1.0)
+    decide_open(state, quiet, limits=limits, now=1.0)
     order: list[str] = []
     for step in range(3):
         free_one_slot(state, limits)
@@ -351,20 +354,14 @@ def test_a_quiet_tenant_is_not_starved_by_a_flood() -> None:
 def test_a_request_served_out_of_tag_order_does_not_erase_other_tenants_credit() -> None:
     state = saturated_state()
     for _ in range(6):  # tenant b's backlog: start tags 0, 200, ..., 1000
-        decide(state, request=request("b"), quota=OPEN, limits=LIMITS, now=0.0)
+        decide_open(state, request("b"))
     # A later step of one of b's workflows goes ahead of everything (start tag 1200).
-    decide(
-        state,
-        request=request("b", rid="b-step2", standing=CONTINUATION, spent=0.1),
-        quota=OPEN,
-        limits=LIMITS,
-        now=0,
-    )
+    decide_open(state, request("b", rid="b-step2", standing=CONTINUATION, spent=0.1), now=0)
     free_one_slot(state)
     drain(state, LIMITS, 1.0)
     assert admitted(state)[:1] == ["b-step2"]
     # Tenant a, quiet so far, is served next to b's oldest, not after all of b's backlog.
-    decide(state, request=request("a", rid="a-first"), quota=OPEN, limits=LIMITS, now=2.0)
+    decide_open(state, request("a", rid="a-first"), now=2.0)
     order: list[str] = []
     for step in range(3, 6):
         free_one_slot(state)
@@ -433,7 +430,7 @@ def test_a_deferred_request_whose_deadline_becomes_infeasible_is_rejected_then()
 
 def test_without_a_deadline_a_wait_is_bounded_by_max_defer() -> None:
     state = saturated_state()
-    deferred = decide(state, request=request(), quota=OPEN, limits=LIMITS, now=5.0)
+    deferred = decide_open(state, request(), now=5.0)
     assert isinstance(deferred, Defer) and deferred.due == 5.0 + LIMITS.max_defer_s
     drain(state, LIMITS, deferred.due)
     (outcome,) = take_outcomes(state)
@@ -443,7 +440,7 @@ def test_without_a_deadline_a_wait_is_bounded_by_max_defer() -> None:
 def test_no_live_worker_ends_a_wait_with_no_workers() -> None:
     state = AdmissionState()
     observe_fleet(state, fleet(workers=0))
-    deferred = decide(state, request=request(), quota=OPEN, limits=LIMITS, now=0.0)
+    deferred = decide_open(state, request())
     assert isinstance(deferred, Defer)
     rejected = expire(state, next(iter(state.deferred)), 1.0)
     assert isinstance(rejected, Reject) and rejected.reason == "no_workers"
@@ -461,7 +458,7 @@ def test_a_later_workflow_step_goes_ahead_of_a_new_workflow_in_its_class_only() 
         request(rid="step3", standing=CONTINUATION, spent=0.02),
         request(rid="critical-new", priority="critical", standing=NEW),
     ):
-        decide(state, request=r, quota=OPEN, limits=LIMITS, now=0.0)
+        decide_open(state, r)
     order: list[str] = []
     for step in range(1, 5):
         free_one_slot(state)
@@ -473,27 +470,13 @@ def test_a_later_workflow_step_goes_ahead_of_a_new_workflow_in_its_class_only() 
 def test_a_full_queue_sheds_new_workflows_before_continuations() -> None:
     limits = AdmissionLimits(max_deferred=2)
     state = saturated_state(limits)
-    decide(
-        state, request=request(rid="cont", standing=CONTINUATION, spent=0.1), quota=OPEN, limits=limits, now=0
-    )
-    decide(state, request=request(rid="new"), quota=OPEN, limits=limits, now=0)
-    decide(
-        state,
-        request=request(rid="cont2", standing=CONTINUATION, spent=0.05),
-        quota=OPEN,
-        limits=limits,
-        now=0,
-    )
+    decide_open(state, request(rid="cont", standing=CONTINUATION, spent=0.1), limits=limits, now=0)
+    decide_open(state, request(rid="new"), limits=limits, now=0)
+    decide_open(state, request(rid="cont2", standing=CONTINUATION, spent=0.05), limits=limits, now=0)
     (shed,) = take_outcomes(state)
     assert shed.request.request_id == "new"
     # Among continuations, the least spent goes first.
-    decide(
-        state,
-        request=request(rid="cont3", standing=CONTINUATION, spent=0.5),
-        quota=OPEN,
-        limits=limits,
-        now=0,
-    )
+    decide_open(state, request(rid="cont3", standing=CONTINUATION, spent=0.5), limits=limits, now=0)
     (shed,) = take_outcomes(state)
     assert shed.request.request_id == "cont2"
 
