@@ -178,6 +178,19 @@ def decode(
     )
 
 
+def failed(event_id: str, request_id: str, tenant: str, *, workflow_id: str | None = None) -> RequestFailed:
+    return RequestFailed(
+        event_id=event_id,
+        occurred_at=T0 + 3,
+        request_id=request_id,
+        tenant=tenant,
+        workflow_id=workflow_id,
+        stage="decode",
+        worker_id="decode-a10g",
+        message="worker lost",
+    )
+
+
 def script() -> list[LifecycleEvent]:
     """Two completed requests, a duplicate, a failed and a rejected request, a fleet view."""
     r1_decode = decode(
@@ -209,15 +222,7 @@ def script() -> list[LifecycleEvent]:
             kv_bytes=123,
         ),
         prefill("e-r3-prefill", "r3", "acme", "a10g", 3.0),
-        RequestFailed(
-            event_id="e-r3-failed",
-            occurred_at=T0 + 3,
-            request_id="r3",
-            tenant="acme",
-            stage="decode",
-            worker_id="decode-a10g",
-            message="worker lost",
-        ),
+        failed("e-r3-failed", "r3", "acme"),
         RequestRejected(
             event_id="e-r4-rejected",
             occurred_at=T0,
@@ -470,19 +475,6 @@ def test_pricing() -> None:
 # floating point: a batch must give bit for bit the rows that events one at a time give.
 EXACT_PRICES = {"h100": 4.0, "a10g": 2.0}
 GPU_TYPES = ("h100", "a10g", "mi300x")  # mi300x has no price: a ledger error
-
-
-def failed(event_id: str, request_id: str, tenant: str, *, workflow_id: str | None = None) -> RequestFailed:
-    return RequestFailed(
-        event_id=event_id,
-        occurred_at=T0 + 3,
-        request_id=request_id,
-        tenant=tenant,
-        workflow_id=workflow_id,
-        stage="decode",
-        worker_id="decode-a10g",
-        message="worker lost",
-    )
 
 
 def rejected(event_id: str, request_id: str, tenant: str) -> RequestRejected:
