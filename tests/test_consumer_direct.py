@@ -196,6 +196,7 @@ async def test_mesh_subjects_hand_off_on_the_direct_subject(bus: Bus) -> None:
     async def handler(event: RequestRejected, delivery: Delivery) -> None:
         handled.append((event.event_id, delivery.subject, delivery.stream_seq))
 
+    bus.direct = True  # as with RIPPLEMESH_DIRECT_HANDOFF=1: publishes send the direct copy
     consumer = Consumer(bus, spec, RequestRejected, handler, fast_path=True)
     await consumer.start()
     try:

@@ -151,8 +151,8 @@ class Runtime:
         max_inflight: int = 64,
         direct: bool = False,
     ) -> Consumer[Any]:
-        """Run a durable consumer. `direct`: the request path's hand-off (consumer.py), unless
-        ``RIPPLEMESH_DIRECT_HANDOFF=0`` turns it off for the process."""
+        """Run a durable consumer. `direct`: the request path's hand-off (consumer.py), when
+        ``RIPPLEMESH_DIRECT_HANDOFF=1`` turns it on for the process (off by default)."""
         direct = direct and self.bus.direct
         consumer: Consumer[Any] = Consumer(
             self.bus, spec, event_type, handler, max_inflight=max_inflight, fast_path=direct
