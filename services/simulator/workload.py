@@ -37,8 +37,9 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -190,27 +191,30 @@ class _Trace(Workload):
     """A trace file replayed as one tenant's single requests, `repeat` times back to back (the
     Mooncake and Azure traces)."""
 
+    kind: ClassVar[str]
+    default_block_size: ClassVar[int]
+
     def __init__(
         self,
         path: str | Path,
         *,
-        kind: str,
-        block_size: int,
-        model: str,
-        tenant: str,
-        priority: PriorityClass,
-        deadline_s: float | None,
-        repeat: int,
-        rate_scale: float,
-        window: tuple[float, float] | None,
-        limit: int | None,
+        block_size: int | None = None,
+        model: str = "llama-3.1-8b",
+        tenant: str = "trace",
+        priority: PriorityClass = "standard",
+        deadline_s: float | None = None,
+        repeat: int = 1,
+        rate_scale: float = 1.0,
+        window: tuple[float, float] | None = None,
+        limit: int | None = None,
     ):
         super().__init__(rate_scale=rate_scale, window=window, limit=limit)
+        block_size = self.default_block_size if block_size is None else block_size
         self._check_block_size(block_size)
         if repeat < 1:
             raise ValueError("repeat must be >= 1")
         self.path = Path(path)
-        self.name = f"{kind}:{self.path.name}"
+        self.name = f"{self.kind}:{self.path.name}"
         self.block_size = block_size
         self.model = model
         self.tenant = tenant
@@ -248,34 +252,8 @@ class _MooncakeLine(msgspec.Struct):
 
 
 class MooncakeTrace(_Trace):
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        block_size: int = MOONCAKE_BLOCK_TOKENS,
-        model: str = "llama-3.1-8b",
-        tenant: str = "trace",
-        priority: PriorityClass = "standard",
-        deadline_s: float | None = None,
-        repeat: int = 1,
-        rate_scale: float = 1.0,
-        window: tuple[float, float] | None = None,
-        limit: int | None = None,
-    ):
-        super().__init__(
-            path,
-            kind="mooncake",
-            block_size=block_size,
-            model=model,
-            tenant=tenant,
-            priority=priority,
-            deadline_s=deadline_s,
-            repeat=repeat,
-            rate_scale=rate_scale,
-            window=window,
-            limit=limit,
-        )
-        self._sub_blocks = MOONCAKE_BLOCK_TOKENS // block_size
+    kind = "mooncake"
+    default_block_size = MOONCAKE_BLOCK_TOKENS
 
     def _check_block_size(self, block_size: int) -> None:
         if block_size < 1 or MOONCAKE_BLOCK_TOKENS % block_size:
@@ -286,10 +264,10 @@ class MooncakeTrace(_Trace):
     def _hashes(self, hash_ids: list[int], prompt: int, copy: int) -> list[int]:
         full = prompt // self.block_size
         adapter = f"repeat-{copy}" if copy else None
-        if self._sub_blocks == 1:
+        m = MOONCAKE_BLOCK_TOKENS // self.block_size  # engine blocks per Mooncake block
+        if m == 1:
             ids = hash_ids[:full]
         else:
-            m = self._sub_blocks
             ids = [h * m + j for h in hash_ids[: -(-full // m)] for j in range(m)][:full]
         # Each id a "token" of a one-token block: the project's chained hash over the ids.
         return chain_block_hashes(ids, 1, model=self.model, adapter=adapter)
@@ -345,37 +323,14 @@ def _azure_time(value: str) -> float:
 
 
 class AzureTrace(_Trace):
+    kind = "azure"
+    default_block_size = 16
     prefix_sharing = False
+    _parsed: tuple[array[float], array[int], array[int]] | None = None
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        block_size: int = 16,
-        model: str = "llama-3.1-8b",
-        tenant: str = "trace",
-        priority: PriorityClass = "standard",
-        deadline_s: float | None = None,
-        repeat: int = 1,
-        rate_scale: float = 1.0,
-        window: tuple[float, float] | None = None,
-        limit: int | None = None,
-    ):
-        super().__init__(
-            path,
-            kind="azure",
-            block_size=block_size,
-            model=model,
-            tenant=tenant,
-            priority=priority,
-            deadline_s=deadline_s,
-            repeat=repeat,
-            rate_scale=rate_scale,
-            window=window,
-            limit=limit,
-        )
-        self._seed = chain_seed(model)
-        self._parsed: tuple[array[float], array[int], array[int]] | None = None
+    @cached_property
+    def _seed(self) -> int:
+        return chain_seed(self.model)
 
     def _rows(self) -> Iterator[tuple[float, int, int]]:
         with self.path.open(newline="") as handle:
