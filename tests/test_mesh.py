@@ -94,6 +94,11 @@ async def test_one_request_is_one_trace_across_every_service(mesh: Mesh) -> None
     for span in found:
         if span["kind"] == "CONSUMER":
             assert by_id[span["parent_id"]]["kind"] == "PRODUCER"
+            # The OTel messaging conventions: which system, subject, message and delivery.
+            attributes = span["attributes"]
+            assert attributes["messaging.system"] == "nats" and attributes["messaging.message.id"]
+            assert attributes["messaging.destination.name"].startswith("rmesh.")
+            assert attributes["messaging.message.delivery_count"] >= 1
 
 
 async def test_bad_http_input_gets_a_clear_error_and_the_mesh_keeps_serving(mesh: Mesh) -> None:

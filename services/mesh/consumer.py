@@ -33,13 +33,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
 
 from schemas.events import DeadLetter, derived_event_id, new_event_id
@@ -334,21 +335,7 @@ class Consumer(Generic[E]):
         delivery = Delivery(subject, headers, 1, 0)
         failure: Exception | None = None
         try:
-            with tracer().start_as_current_span(
-                f"process {subject_family(subject)}",
-                context=extract_context(headers),
-                kind=SpanKind.CONSUMER,
-                attributes={
-                    "messaging.system": "nats",
-                    "messaging.operation.type": "process",
-                    "messaging.destination.name": subject,
-                    "messaging.consumer.group.name": name,
-                    "messaging.message.id": event_id,
-                    "messaging.message.delivery_count": 1,
-                    "ripple.direct": True,
-                    **_request_id_attribute(event),
-                },
-            ) as span:
+            with self._process_span(subject, headers, event, event_id, 1, {"ripple.direct": True}) as span:
                 try:
                     await self.handler(event, delivery)
                 except asyncio.CancelledError:
@@ -450,24 +437,38 @@ class Consumer(Generic[E]):
             return
         await self._handle_event(msg, delivery, headers, event, event_id, started)
 
-    async def _handle_event(
-        self, msg: Msg, delivery: Delivery, headers: dict[str, str], event: E, event_id: str, started: float
-    ) -> None:
-        name = self.spec.durable
-        with tracer().start_as_current_span(
-            f"process {subject_family(msg.subject)}",
+    def _process_span(
+        self,
+        subject: str,
+        headers: dict[str, str],
+        event: object,
+        event_id: str,
+        delivery_count: int,
+        extra: dict[str, Any] | None = None,
+    ) -> AbstractContextManager[Span]:
+        """The consumer span of one handling (OTel messaging conventions), child of the
+        publisher's context carried in the headers."""
+        return tracer().start_as_current_span(
+            f"process {subject_family(subject)}",
             context=extract_context(headers),
             kind=SpanKind.CONSUMER,
             attributes={
                 "messaging.system": "nats",
                 "messaging.operation.type": "process",
-                "messaging.destination.name": msg.subject,
-                "messaging.consumer.group.name": name,
+                "messaging.destination.name": subject,
+                "messaging.consumer.group.name": self.spec.durable,
                 "messaging.message.id": event_id,
-                "messaging.message.delivery_count": delivery.num_delivered,
+                "messaging.message.delivery_count": delivery_count,
+                **(extra or {}),
                 **_request_id_attribute(event),
             },
-        ) as span:
+        )
+
+    async def _handle_event(
+        self, msg: Msg, delivery: Delivery, headers: dict[str, str], event: E, event_id: str, started: float
+    ) -> None:
+        name = self.spec.durable
+        with self._process_span(msg.subject, headers, event, event_id, delivery.num_delivered) as span:
             progress = _ProgressReporter(msg, max(self.spec.ack_wait_s / 3, 0.5))
             try:
                 await self.handler(event, delivery)
