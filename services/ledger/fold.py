@@ -195,12 +195,14 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
         tag = _TAGS[type(event)]
         if isinstance(event, FleetObserved):
             # Recorded in ``events`` only.
-            rows.append((event.event_id, tag, None, None, event.occurred_at, *_NO_COST))
+            rows.append(_row_without_cost(event.event_id, tag, event.occurred_at))
             continue
         if isinstance(event, RouteDecision | AdmissionDecision):
             # Admission's and the router's reasoning (RequestRouted and RequestRejected carry its effects): an
             # event row for the audit trail, no cost and no change to the request's row.
-            rows.append((event.event_id, tag, event.request_id, event.tenant, event.occurred_at, *_NO_COST))
+            rows.append(
+                _row_without_cost(event.event_id, tag, event.occurred_at, event.request_id, event.tenant)
+            )
             continue
         delta = deltas.get(event.request_id)
         if delta is None:
@@ -212,7 +214,9 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
             if delta.decode_worker is None:
                 delta.decode_worker = event.decode_worker
             # No workflow id on a routing decision: it belongs to no task (it costs nothing).
-            rows.append((event.event_id, tag, event.request_id, event.tenant, event.occurred_at, *_NO_COST))
+            rows.append(
+                _row_without_cost(event.event_id, tag, event.occurred_at, event.request_id, event.tenant)
+            )
             continue
         workflow_id = event.workflow_id
         key = task_key(workflow_id, event.request_id)
@@ -279,15 +283,14 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
             # A migration counts against its task (an event row with the task's key and the
             # worker it left); the re-prefill's GPU time comes with its own PrefillCompleted.
             rows.append(
-                (
+                _row_without_cost(
                     event.event_id,
                     tag,
+                    event.occurred_at,
                     event.request_id,
                     event.tenant,
-                    event.occurred_at,
                     key,
                     event.from_worker,
-                    *_NO_TASK_COST,
                 )
             )
         else:  # RequestFailed | RequestRejected | RequestCancelled: the request's step failed
@@ -299,15 +302,8 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
             task.steps = _max_steps(task.steps, _steps_of(event, workflow_id))
             worker_id = event.worker_id if isinstance(event, RequestFailed) else None
             rows.append(
-                (
-                    event.event_id,
-                    tag,
-                    event.request_id,
-                    event.tenant,
-                    event.occurred_at,
-                    key,
-                    worker_id,
-                    *_NO_TASK_COST,
+                _row_without_cost(
+                    event.event_id, tag, event.occurred_at, event.request_id, event.tenant, key, worker_id
                 )
             )
         _know_workflow(delta, event)
@@ -439,9 +435,19 @@ _TAGS: dict[type, str] = {
         FleetObserved,
     )
 }
-# An event row's task and cost columns for an event that carries no GPU time (and with a task).
-_NO_COST: tuple[None, None, None, None, None, None, None] = (None,) * 7
-_NO_TASK_COST: tuple[None, None, None, None, None] = (None,) * 5
+
+
+def _row_without_cost(
+    event_id: str,
+    tag: str,
+    occurred_at: float,
+    request_id: str | None = None,
+    tenant: str | None = None,
+    task_key: str | None = None,
+    worker_id: str | None = None,
+) -> EventRow:
+    """The row of an event that carries no GPU time: its GPU type and cost columns empty."""
+    return (event_id, tag, request_id, tenant, occurred_at, task_key, worker_id, None, None, None, None, None)
 
 
 def _price_kv(event: DecodeCompleted, usd_per_gb: float, errors: list[PricingFailure]) -> float:
