@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -25,6 +24,7 @@ from services.router.policy import (
     place,
 )
 from services.router.speed import speed_for
+from tests.router_views import FixedPrefix, state_of
 
 MODEL = "llama-3.1-8b"
 BLOCK = 16
@@ -69,26 +69,6 @@ def view(
     )
 
 
-def state_of(*workers: WorkerView) -> RouterState:
-    state = RouterState()
-    for worker in workers:
-        state.observe(worker)
-    return state
-
-
-class Cached:
-    """A PrefixView with fixed answers: worker -> leading blocks cached."""
-
-    def __init__(self, blocks: Mapping[str, int] | None = None):
-        self.blocks = dict(blocks or {})
-
-    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
-        return min(self.blocks.get(worker_id, 0), len(block_hashes))
-
-    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        return {w: n for w in self.blocks if (n := self.overlap(w, block_hashes))}
-
-
 def request(
     rid: str = "r1",
     *,
@@ -117,8 +97,8 @@ def lax(state: RouterState) -> RouterState:
     return state
 
 
-def decide(state: RouterState, req: RouteRequest, prefix: Cached | None = None) -> Placement:
-    decision = place(state, req, prefix or Cached(), NOW)
+def decide(state: RouterState, req: RouteRequest, prefix: FixedPrefix | None = None) -> Placement:
+    decision = place(state, req, prefix or FixedPrefix(), NOW)
     assert isinstance(decision, Placement), decision
     return decision
 
@@ -156,7 +136,7 @@ def test_memory_headroom() -> None:
     req = request(prompt=4096, output=1000)
     full = view("full", used=TOTAL - 50, running=4, context=4 * 120_000)
     roomy = view("roomy", used=TOTAL // 2, running=4, context=4 * 60_000)
-    decision = decide(state_of(full, roomy), req, Cached({"full": 64}))
+    decision = decide(state_of(full, roomy), req, FixedPrefix({"full": 64}))
     assert decision.decode_worker == "roomy"
     # Fitting only by evicting cached blocks others may reuse costs their re-prefill: with the
     # same load, the worker with truly free blocks wins.
@@ -168,11 +148,11 @@ def test_memory_headroom() -> None:
 def test_kv_cache_state() -> None:
     req = request(prompt=8192)
     a, b = view("a", used=3000, running=8), view("b", used=3000, running=8)
-    decision = decide(state_of(a, b), req, Cached({"b": 400}))
+    decision = decide(state_of(a, b), req, FixedPrefix({"b": 400}))
     assert decision.decode_worker == "b"
     # Only whole cached blocks count, and the last prompt token is always computed.
     assert decision.predicted_cached_tokens == 400 * BLOCK
-    full_hit = decide(state_of(a, b), req, Cached({"a": 512}))
+    full_hit = decide(state_of(a, b), req, FixedPrefix({"a": 512}))
     assert full_hit.decode_worker == "a" and full_hit.predicted_cached_tokens == 8191
     # Its TTFT is the uncached part's prefill.
     assert full_hit.predicted_ttft_s < decision.predicted_ttft_s
@@ -227,30 +207,30 @@ def test_an_unreachable_deadline_is_infeasible() -> None:
     backlog = {"queued": 2_000_000, "running": 50, "used": TOTAL // 2}
     state = lax(state_of(view("a", **backlog), view("b", **backlog)))
     req = request(deadline_in=5.0)
-    decision = place(state, req, Cached(), NOW)
+    decision = place(state, req, FixedPrefix(), NOW)
     assert isinstance(decision, NoPlacement) and decision.reason == "infeasible"
     assert "deadline" in decision.message
     assert state.placed_since_heartbeat == {"a": 0, "b": 0}  # nothing placed
     # Admission's view of the same: the earliest first token, well past the deadline.
-    ttft = earliest_ttft(state, req, Cached(), NOW)
+    ttft = earliest_ttft(state, req, FixedPrefix(), NOW)
     assert ttft is not None and ttft > 5.0
     # The same request with a reachable deadline is placed.
-    assert isinstance(place(state, request(deadline_in=600.0), Cached(), NOW), Placement)
+    assert isinstance(place(state, request(deadline_in=600.0), FixedPrefix(), NOW), Placement)
     # A first step of a long workflow is refused when the task as a whole has no chance (each
     # later step as risky as this one), while its last step alone, the earlier seven's spend at
     # stake, would be tried.
     ok = {"queued": 130_000, "running": 50, "used": TOTAL // 2}
     step = {"deadline_in": 7.0, "workflow_id": "wf", "workflow_steps": 8}
-    first = place(lax(state_of(view("a", **ok))), request(workflow_step=1, **step), Cached(), NOW)
+    first = place(lax(state_of(view("a", **ok))), request(workflow_step=1, **step), FixedPrefix(), NOW)
     last = place(
         lax(state_of(view("a", **ok))),
         request(workflow_step=8, workflow_spent_usd=0.01, **step),
-        Cached(),
+        FixedPrefix(),
         NOW,
     )
     assert isinstance(first, NoPlacement) and first.reason == "infeasible", first
     assert isinstance(last, Placement)
-    assert earliest_ttft(RouterState(), req, Cached(), NOW) is None  # no worker at all
+    assert earliest_ttft(RouterState(), req, FixedPrefix(), NOW) is None  # no worker at all
 
 
 def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
@@ -265,7 +245,7 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     def saturated() -> RouterState:
         return state_of(view("a", **busy), view("b", **busy))
 
-    new = place(saturated(), request(deadline_in=8.0, workflow_step=1, **task), Cached(), NOW)
+    new = place(saturated(), request(deadline_in=8.0, workflow_step=1, **task), FixedPrefix(), NOW)
     # Refused for the fleet's load, not the deadline: a capacity rejection, worth retrying later.
     assert isinstance(new, NoPlacement) and new.reason == "saturated", new
     assert "worth its cost" in new.message and "task's chance is 0.7" in new.message
@@ -276,10 +256,10 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     assert 0.9 < tried.success_probability < 0.97
     # A sure first step still goes to the saturated fleet (worth_probability under 1): refusing
     # every new task there would also keep an autoscaled fleet from seeing the load that grows it.
-    sure = place(saturated(), request("r3", deadline_in=600.0, workflow_step=1, **task), Cached(), NOW)
+    sure = place(saturated(), request("r3", deadline_in=600.0, workflow_step=1, **task), FixedPrefix(), NOW)
     assert isinstance(sure, Placement), sure
     # Below the floor of hope (5%) nothing is tried, however idle the fleet.
-    hopeless = place(idle, request("r2", deadline_in=3.0, workflow_step=1, **task), Cached(), NOW)
+    hopeless = place(idle, request("r2", deadline_in=3.0, workflow_step=1, **task), FixedPrefix(), NOW)
     assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
     assert "no placement meets the deadline" in hopeless.message
 
@@ -297,7 +277,7 @@ def test_with_the_gate_set_no_new_workflow_while_the_decode_batches_are_past_the
         state.config = dataclasses.replace(state.config, new_task_max_tpot_s=gate)
         return state
 
-    new = place(busy(), request(workflow_step=1, **task), Cached(), NOW)
+    new = place(busy(), request(workflow_step=1, **task), FixedPrefix(), NOW)
     assert isinstance(new, NoPlacement) and new.reason == "saturated", new
     assert "past their knee" in new.message
     later = decide(busy(), request(workflow_step=2, workflow_spent_usd=0.001, **task))
@@ -334,7 +314,7 @@ def test_workflow_sunk_cost_and_prefix() -> None:
     # A workflow's next step goes where its prefix (the earlier steps) lives.
     a, b, c = (view(w, used=4000, running=10) for w in "abc")
     step = decide(
-        state_of(a, b, c), request(prompt=6000, workflow_id="wf", workflow_step=3), Cached({"c": 300})
+        state_of(a, b, c), request(prompt=6000, workflow_id="wf", workflow_step=3), FixedPrefix({"c": 300})
     )
     assert step.decode_worker == "c"
 
@@ -351,7 +331,7 @@ def test_aggregated_or_disaggregated_by_the_same_objective() -> None:
 
     long = decide(fleet(), request(prompt=16_000))
     assert (long.mode, long.prefill_worker, long.decode_worker) == ("disaggregated", "prefill", "decode")
-    short = decide(fleet(), request(prompt=64, output=50), Cached({"decode": 3}))
+    short = decide(fleet(), request(prompt=64, output=50), FixedPrefix({"decode": 3}))
     assert (short.mode, short.prefill_worker) == ("aggregated", "decode")
     # The options it weighed are on the placement, each with its predictions.
     assert long.runners_up and all(o.expected_cost_per_success_usd > 0 for o in long.runners_up)
@@ -390,7 +370,7 @@ def test_candidates_stay_few_on_a_large_fleet() -> None:
         for i in range(1000)
     ]
     state = state_of(*workers)
-    cached = Cached({f"w{i:04d}": 10 + i % 50 for i in range(0, 1000, 7)})
+    cached = FixedPrefix({f"w{i:04d}": 10 + i % 50 for i in range(0, 1000, 7)})
     config = state.config
     decision = decide(state, request(prompt=4096), cached)
     assert decision.candidates <= config.cache_candidates + 2 * config.load_candidates

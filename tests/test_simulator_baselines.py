@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
 import pytest
 
 from services.router import baselines
 from services.router import policy as router_policy
 from services.router.policy import NoPlacement, Placement, RouterState, WorkerView
+from tests.router_views import FixedPrefix, state_of
 
 MODEL = "m"
 BLOCK = 16
@@ -39,31 +39,11 @@ def view(
     )
 
 
-def state(*workers: WorkerView) -> RouterState:
-    s = RouterState()
-    for w in workers:
-        s.observe(w)
-    return s
-
-
-class Overlaps:
-    """A PrefixView with fixed answers."""
-
-    def __init__(self, overlaps: dict[str, int]):
-        self.fixed = overlaps
-
-    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
-        return min(self.fixed.get(worker_id, 0), len(block_hashes))
-
-    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        return {w: self.overlap(w, block_hashes) for w in self.fixed if self.overlap(w, block_hashes)}
-
-
 HASHES = list(range(10))  # a 10-block prompt
 PROMPT = 10 * BLOCK
 
 
-def decide(name: str, s: RouterState, prefix: Overlaps, request_id: str = "r1") -> Placement | NoPlacement:
+def decide(name: str, s: RouterState, prefix: FixedPrefix, request_id: str = "r1") -> Placement | NoPlacement:
     common = {"request_id": request_id, "model": MODEL, "block_size": BLOCK, "now": 10.0}
     if name == "dynamo_kv":
         return baselines.dynamo_kv(s, **common, block_hashes=HASHES, prompt_tokens=PROMPT, prefix=prefix)
@@ -84,14 +64,14 @@ def chosen(decision: Placement | NoPlacement) -> str:
 def test_dynamo_picks_the_lowest_overlap_weighted_cost() -> None:
     # Dynamo's documented example: cached 2/5/8 blocks, so 8/5/2 blocks to prefill, and decode
     # blocks 10/5/9 (here: blocks in use, plus this 10-block request): worker 2 costs least.
-    s = state(view("w1", used=10), view("w2", used=5), view("w3", used=9))
-    assert chosen(decide("dynamo_kv", s, Overlaps({"w1": 2, "w2": 5, "w3": 8}))) == "w2"
+    s = state_of(view("w1", used=10), view("w2", used=5), view("w3", used=9))
+    assert chosen(decide("dynamo_kv", s, FixedPrefix({"w1": 2, "w2": 5, "w3": 8}))) == "w2"
     # The cache counts once per block, load once per block: a full hit beats a small load gap.
-    s = state(view("w1", used=0), view("w2", used=8))
-    assert chosen(decide("dynamo_kv", s, Overlaps({"w2": 10}))) == "w2"
+    s = state_of(view("w1", used=0), view("w2", used=8))
+    assert chosen(decide("dynamo_kv", s, FixedPrefix({"w2": 10}))) == "w2"
     # A heavier weight on overlap favours the cache more.
-    s = state(view("w1", used=0), view("w2", used=12))
-    prefix = Overlaps({"w2": 10})
+    s = state_of(view("w1", used=0), view("w2", used=12))
+    prefix = FixedPrefix({"w2": 10})
     assert chosen(decide("dynamo_kv", s, prefix)) == "w1"
     weighted = baselines.dynamo_kv(
         s,
@@ -110,28 +90,28 @@ def test_dynamo_picks_the_lowest_overlap_weighted_cost() -> None:
 def test_llmd_scores_queue_kv_and_prefix_two_two_three() -> None:
     # w1: empty queue, empty KV, no prefix: 2 + 2 + 0 = 4. w2: longest queue (0), KV half used
     # (1.0), full prefix (3): 4. w3: full prefix, queue in the middle: 2*0.5 + 2*1 + 3 = 6.
-    s = state(view("w1", queue=0), view("w2", queue=4, used=500), view("w3", queue=2))
-    assert chosen(decide("llmd_weighted", s, Overlaps({"w2": 10, "w3": 10}))) == "w3"
+    s = state_of(view("w1", queue=0), view("w2", queue=4, used=500), view("w3", queue=2))
+    assert chosen(decide("llmd_weighted", s, FixedPrefix({"w2": 10, "w3": 10}))) == "w3"
     # Without any prefix, queue and KV decide.
-    s = state(view("w1", queue=3), view("w2", queue=1, used=900), view("w3", queue=1, used=100))
-    assert chosen(decide("llmd_weighted", s, Overlaps({}))) == "w3"
+    s = state_of(view("w1", queue=3), view("w2", queue=1, used=900), view("w3", queue=1, used=100))
+    assert chosen(decide("llmd_weighted", s, FixedPrefix({}))) == "w3"
 
 
 def test_sglang_balances_when_imbalanced_and_follows_the_cache_otherwise() -> None:
-    prefix = Overlaps({"w2": 9})
+    prefix = FixedPrefix({"w2": 9})
     # Balanced: the 90% match exceeds the 0.5 threshold.
-    s = state(view("w1", running=4), view("w2", running=10))
+    s = state_of(view("w1", running=4), view("w2", running=10))
     assert chosen(decide("sglang_cache_aware", s, prefix)) == "w2"
     # Imbalanced (40 - 4 > 32 and 40 > 4 x 1.1): the least loaded, whatever the cache.
-    s = state(view("w1", running=4), view("w2", running=40))
+    s = state_of(view("w1", running=4), view("w2", running=40))
     assert chosen(decide("sglang_cache_aware", s, prefix)) == "w1"
     # Balanced, low match: the worker with the smallest cache.
-    s = state(view("w1", used=700), view("w2", used=300), view("w3", used=500))
-    assert chosen(decide("sglang_cache_aware", s, Overlaps({"w1": 3}))) == "w2"
+    s = state_of(view("w1", used=700), view("w2", used=300), view("w3", used=500))
+    assert chosen(decide("sglang_cache_aware", s, FixedPrefix({"w1": 3}))) == "w2"
 
 
 def test_round_robin_cycles_through_workers_in_turn() -> None:
-    s = state(view("b"), view("a"), view("c"))
+    s = state_of(view("b"), view("a"), view("c"))
     cursor = baselines.RoundRobinState()
     picks = [
         chosen(
@@ -151,7 +131,7 @@ def test_least_loaded_is_the_router_policys_rule() -> None:
             view(f"w{i}", queue=rng.randint(0, 5), running=rng.randint(0, 5), used=rng.randint(0, 1000))
             for i in range(rng.randint(1, 8))
         ]
-        s = state(*workers)
+        s = state_of(*workers)
         s.placed_since_heartbeat.update({w.worker_id: rng.randint(0, 2) for w in workers})
         expected = router_policy._least_loaded(workers, s, f"r{trial}")
         assert expected is not None
@@ -163,26 +143,27 @@ def test_least_loaded_is_the_router_policys_rule() -> None:
 @pytest.mark.parametrize("name", baselines.BASELINES)
 def test_placement_plumbing_matches_policy_place(name: str) -> None:
     # Disaggregated as soon as a prefill worker is live; every placement counted in the state.
-    s = state(view("d1"), view("d2"), view("p1", role="prefill"))
-    decision = decide(name, s, Overlaps({}))
+    s = state_of(view("d1"), view("d2"), view("p1", role="prefill"))
+    decision = decide(name, s, FixedPrefix({}))
     assert isinstance(decision, Placement)
     assert decision.mode == "disaggregated" and decision.prefill_worker == "p1"
     assert decision.candidates == 3
     assert s.placed_since_heartbeat["p1"] == 1
     assert s.placed_since_heartbeat[decision.decode_worker] == 1
     # A block-size mismatch is refused; no live decode worker is "no_workers".
-    mismatch = decide(name, state(view("d1"), view("d2", block_size=32)), Overlaps({}))
+    mismatch = decide(name, state_of(view("d1"), view("d2", block_size=32)), FixedPrefix({}))
     assert isinstance(mismatch, NoPlacement) and mismatch.reason == "invalid"
-    stale = decide(name, state(view("d1", now=0.0)), Overlaps({}))
+    stale = decide(name, state_of(view("d1", now=0.0)), FixedPrefix({}))
     assert isinstance(stale, NoPlacement) and stale.reason == "no_workers"
-    assert isinstance(decide(name, state(view("p1", role="prefill")), Overlaps({})), NoPlacement)
+    assert isinstance(decide(name, state_of(view("p1", role="prefill")), FixedPrefix({})), NoPlacement)
 
 
 def test_ties_break_as_policy_place_breaks_them() -> None:
-    s = state(*(view(f"w{i}") for i in range(6)))
+    s = state_of(*(view(f"w{i}") for i in range(6)))
     for i in range(30):
         rid = f"tie-{i}"
         expected = min(s.workers.values(), key=lambda w: router_policy._tie_break(rid, w.worker_id))
         assert (
-            chosen(decide("dynamo_kv", state(*s.workers.values()), Overlaps({}), rid)) == expected.worker_id
+            chosen(decide("dynamo_kv", state_of(*s.workers.values()), FixedPrefix({}), rid))
+            == expected.worker_id
         )
