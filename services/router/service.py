@@ -39,6 +39,7 @@ from services.router.kv_index import KvIndex, predicted_cached_tokens
 from services.router.kv_sync import KvSync
 from services.router.migration import Migrator
 from services.router.policy import (
+    LIVENESS_S,
     NoPlacement,
     NoPrefix,
     RouterConfig,
@@ -337,5 +338,6 @@ class RouterService:
 
 
 def live_workers_any(state: RouterState) -> list[WorkerView]:
+    """Every worker heard from within the policy's liveness window, of any model and role."""
     now = time.time()
-    return [w for w in state.workers.values() if now - w.heartbeat_at <= 3.0]
+    return [w for w in state.workers.values() if now - w.heartbeat_at <= LIVENESS_S]
