@@ -174,6 +174,14 @@ async def test_malformed_nats_submission_is_dead_lettered_and_serving_goes_on(me
             with pytest.raises(MeshError) as rejected:
                 await client.complete(prompt="x", max_tokens=4, model="no-such-model")
             assert rejected.value.http_status == 404
+            # A submission outside the schema is dead-lettered, and its client told why at once
+            # (not left to wait for a first token that never comes).
+            started = time.monotonic()
+            with pytest.raises(MeshError) as invalid:
+                await client.complete(prompt="x", max_tokens=4, priority="urgent")  # type: ignore[arg-type]
+            assert time.monotonic() - started < 5
+            assert invalid.value.http_status == 400 and invalid.value.code == "invalid"
+            assert "priority" in invalid.value.message
     finally:
         await nc.drain()
 

@@ -28,6 +28,7 @@ from starlette.routing import BaseRoute, Route
 from schemas.events import (
     CancelRequest,
     ClientEvent,
+    Identifier,
     InferenceRequest,
     PriorityClass,
     ReplayTokens,
@@ -84,7 +85,16 @@ REPLAYED_EVENTS = Counter(
     "Token events published again for NATS clients that missed them (ReplayTokens).",
 )
 
+SUBMIT_TAG: str = SubmitRequest.__struct_config__.tag  # type: ignore[assignment]
 PRIORITIES: tuple[PriorityClass, ...] = ("critical", "standard", "sheddable")
+
+
+class _SubmissionIds(msgspec.Struct):
+    """What can still be read of a submission that does not decode: enough to answer it."""
+
+    type: str = ""
+    request_id: Identifier | None = None
+    event_id: Identifier | None = None
 
 
 def _error(
@@ -188,7 +198,12 @@ class IngressService:
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
         await runtime.consume(
-            INGRESS_CONSUMER, ClientEvent, self._on_client_event, max_inflight=256, direct=True
+            INGRESS_CONSUMER,
+            ClientEvent,
+            self._on_client_event,
+            max_inflight=256,
+            direct=True,
+            on_undecodable=self._on_undecodable_submission,
         )
 
     async def stop(self) -> None:
@@ -554,6 +569,29 @@ class IngressService:
             ),
         )
         NATS_SUBMISSIONS.labels("accepted").inc()
+
+    async def _on_undecodable_submission(self, delivery: Delivery, data: bytes, reason: str) -> None:
+        """A submission that breaks the schema (a priority not in the three classes, a negative
+        max_tokens) is dead-lettered by the consumer; if its request id can still be read, its
+        client is also told why on the request's token subject, instead of waiting in vain."""
+        try:
+            ids = msgspec.json.decode(data, type=_SubmissionIds)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # nobody to answer: the dead letter alone records it
+        tenant = tenant_of(delivery.subject)
+        if ids.type != SUBMIT_TAG or ids.request_id is None or tenant not in self._rt.config.tenants:
+            return
+        NATS_SUBMISSIONS.labels("invalid").inc()
+        await publish_rejection(
+            self._rt.bus,
+            source_event_id=ids.event_id or f"{delivery.subject}:{delivery.stream_seq}",
+            request_id=ids.request_id,
+            tenant=tenant,
+            stage="ingress",
+            reason="invalid",
+            message=f"invalid submission: {reason}",
+            http_status=400,
+        )
 
     async def _reject_submission(self, submission: SubmitRequest, tenant: str, exc: InvalidRequest) -> None:
         await publish_rejection(

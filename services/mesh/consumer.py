@@ -94,6 +94,9 @@ class Delivery:
 
 
 Handler = Callable[[E, Delivery], Awaitable[None]]
+# Told of a message that does not decode (with the reason), before it is dead-lettered: a
+# consumer whose senders wait for an answer (ingress's NATS clients) can still give one.
+UndecodableHook = Callable[[Delivery, bytes, str], Awaitable[None]]
 
 
 class _SeenIds:
@@ -245,10 +248,12 @@ class Consumer(Generic[E]):
         *,
         max_inflight: int = 64,
         fast_path: bool = False,
+        on_undecodable: UndecodableHook | None = None,
     ):
         self.bus = bus
         self.spec = spec
         self.handler = handler
+        self.on_undecodable = on_undecodable
         self.max_inflight = max_inflight
         self._decoder: msgspec.json.Decoder[E] = msgspec.json.Decoder(event_type)
         self._seen = _SeenIds()
@@ -408,6 +413,11 @@ class Consumer(Generic[E]):
         try:
             event = self._decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if self.on_undecodable is not None:
+                try:
+                    await self.on_undecodable(delivery, msg.data, str(exc))
+                except Exception as hook_exc:  # the dead letter below still keeps the message
+                    log.warning("undecodable-message hook failed", extra={"error": repr(hook_exc)})
             await self._dead_letter(msg, delivery, f"undecodable: {exc}")
             MESSAGES.labels(name, "dead_lettered").inc()
             return

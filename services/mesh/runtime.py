@@ -31,7 +31,7 @@ from starlette.routing import BaseRoute, Route
 from schemas.subjects import ConsumerSpec
 from services.mesh.bus import Bus
 from services.mesh.config import MeshConfig
-from services.mesh.consumer import Consumer, Handler
+from services.mesh.consumer import Consumer, Handler, UndecodableHook
 from services.mesh.nats_auth import NatsCredentials
 from services.mesh.tracing import setup_tracing, shutdown_tracing
 
@@ -150,12 +150,20 @@ class Runtime:
         *,
         max_inflight: int = 64,
         direct: bool = False,
+        on_undecodable: UndecodableHook | None = None,
     ) -> Consumer[Any]:
         """Run a durable consumer. `direct`: the request path's hand-off (consumer.py), when
-        ``RIPPLEMESH_DIRECT_HANDOFF=1`` turns it on for the process (off by default)."""
+        ``RIPPLEMESH_DIRECT_HANDOFF=1`` turns it on for the process (off by default).
+        `on_undecodable`: told of each message that does not decode, before its dead letter."""
         direct = direct and self.bus.direct
         consumer: Consumer[Any] = Consumer(
-            self.bus, spec, event_type, handler, max_inflight=max_inflight, fast_path=direct
+            self.bus,
+            spec,
+            event_type,
+            handler,
+            max_inflight=max_inflight,
+            fast_path=direct,
+            on_undecodable=on_undecodable,
         )
         await consumer.start()
         self.consumers.append(consumer)
