@@ -11,10 +11,13 @@ The ratio of the two, and the difference at p50, is the mesh's overhead.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,7 +89,9 @@ async def _paced(count: int, rate: float, one: object, progress: Progress, label
 
 async def _measure(
     url: str, rate: float, count: int, progress: Progress, cpu: Callable[[], dict[str, float]]
-) -> tuple[list[float], list[float], dict[str, float]]:
+) -> tuple[list[float], list[float], dict[str, float], dict[str, tuple[int, int]]]:
+    # request id -> (submitted, first token) wall-clock ns: the ends of each request's trace.
+    timeline: dict[str, tuple[int, int]] = {}
     async with MeshClient(url, "demo", first_token_timeout_s=30) as client:
 
         async def mesh_ttft(i: int) -> float:
@@ -94,10 +99,15 @@ async def _measure(
             # first token would cancel every request, a cancellation's work the mesh does not do
             # for a request that completes.
             started = time.perf_counter()
+            submitted_ns = time.time_ns()
+            request_id = uuid.uuid4().hex
             first: float | None = None
-            async for event in client.events(prompt=f"overhead probe {i}", max_tokens=1):
+            async for event in client.events(
+                prompt=f"overhead probe {i}", max_tokens=1, request_id=request_id
+            ):
                 if isinstance(event, TokenChunk) and first is None:
                     first = time.perf_counter() - started
+                    timeline[request_id] = (submitted_ns, time.time_ns())
                 elif isinstance(event, StreamFailed):
                     raise RuntimeError(f"request failed: {event.code}: {event.message}")
             if first is None:
@@ -138,7 +148,7 @@ async def _measure(
         await responder.close()
     finally:
         await nc.drain()
-    return mesh, floor, cpu_per_request
+    return mesh, floor, cpu_per_request, timeline
 
 
 def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Console) -> dict[str, float]:
@@ -154,9 +164,13 @@ def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Consol
                 time_scale=0.0,
             )
             with mesh, Progress(console=console, transient=True) as progress:
-                mesh_s, floor_s, cpu_per_request = uvloop.run(
+                mesh_s, floor_s, cpu_per_request, timeline = uvloop.run(
                     _measure(server.url, rate, count, progress, lambda: _cpu_by_service(mesh))
                 )
+            keep = os.environ.get("RIPPLEMESH_BENCH_TRACES")
+            if keep:  # the run's spans and each request's ends, for where the time goes (§20)
+                shutil.copytree(data / "mesh" / "traces", keep, dirs_exist_ok=True)
+                (Path(keep) / "client.json").write_text(json.dumps(timeline))
     rows = {
         "mesh_p50_ms": _percentile(mesh_s, 0.5) * 1e3,
         "mesh_p99_ms": _percentile(mesh_s, 0.99) * 1e3,

@@ -98,7 +98,7 @@ from services.mesh.consumer import Delivery
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
-from services.mesh.tracing import tracer
+from services.mesh.tracing import LateSpan
 from services.mesh.workflow_spend_view import WorkflowSpendView
 from services.router.kv_index import KvIndex
 from services.router.kv_sync import KvSync
@@ -426,16 +426,14 @@ class AdmissionService:
         assert self.runtime is not None
         request = event.request
         admission = self._admission_request(request)
-        span = tracer().start_span("admission.decide")
-        decided_ns: int | None = None
+        # The decision's span covers the decision alone; built by the SDK after RequestAdmitted
+        # is out (LateSpan), which the router waits on.
+        late = LateSpan("admission.decide")
         admitted_now = False
         try:
-            with trace.use_span(span, end_on_exit=False):
+            with late.activate() as span:
                 decision = await self._decide(request, admission, time.time())
-            decided_ns = time.time_ns()
             if isinstance(decision, Admit):
-                # The router waits on it: out before the decision's span (which covers the
-                # decision alone) and its record.
                 await self._publish_admitted(event)
                 admitted_now = True
             span.set_attribute("ripple.admission.outcome", decision.outcome)
@@ -443,7 +441,7 @@ class AdmissionService:
             span.set_attribute("ripple.admission.saturation", self.state.saturation)
             span.set_attribute("ripple.admission.standing", STANDING.get(admission.workflow_standing, "new"))
         finally:
-            span.end(end_time=decided_ns)
+            late.record()
         if isinstance(decision, Defer):
             DECISIONS.labels(request.tenant, "defer", decision.reason).inc()
             held = self.state.deferred.get(request.request_id)

@@ -50,7 +50,7 @@ from services.engines.lifecycle import WorkerLifecycle
 from services.mesh import kv_dump
 from services.mesh.resumption import first_seq, output_before, prompt_proper
 from services.mesh.runtime import Runtime
-from services.mesh.tracing import REQUEST_ID, tracer
+from services.mesh.tracing import REQUEST_ID, LateSpan, tracer
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,8 @@ class EngineHost:
         delays the second token. The span shows what happened next to what the router predicted
         (`prediction`, made at `routed_at`): cached tokens, and TTFT from the routing decision.
         """
-        with tracer().start_as_current_span(
+        # Built once the first token is out (LateSpan): the token does not wait on the span.
+        late = LateSpan(
             f"prefill {request.model}",
             kind=SpanKind.INTERNAL,
             attributes={
@@ -272,35 +273,39 @@ class EngineHost:
                 "ripple.worker_id": self.worker_id,
                 "ripple.gpu_type": self.engine.info.gpu_type,
             },
-        ) as span:
-            result = await self.engine.prefill(request)
-            now = time.time()
-            span.set_attribute("ripple.cached_tokens", result.cached_tokens)
-            span.set_attribute("ripple.gpu_seconds", result.gpu_seconds)
-            if routed_at is not None:
-                span.set_attribute("ripple.ttft_s", max(0.0, now - routed_at))
-            if prediction is not None:
-                span.set_attributes(
-                    {
-                        "ripple.predicted.cached_tokens": prediction.cached_tokens,
-                        "ripple.predicted.ttft_s": prediction.ttft_s,
-                    }
-                )
-        seq = first_seq(request)  # 0, or where a migrated request's stream resumes
-        await self.runtime.bus.publish_fast(
-            tokens_subject(request.tenant, request.request_id),
-            TokenChunk(
-                event_id=f"{request.request_id}-{seq}",
-                occurred_at=now,
-                request_id=request.request_id,
-                seq=seq,
-                token_ids=[result.first_token_id],
-                text=self.engine.detokenize([result.first_token_id]),
-            ),
         )
-        # Let the connection's flusher send the first token now, before the hand-off's work
-        # (which would otherwise hold it back to share one write): this is time to first token.
-        await asyncio.sleep(0)
+        try:
+            with late.activate() as span:
+                result = await self.engine.prefill(request)
+                now = time.time()
+                span.set_attribute("ripple.cached_tokens", result.cached_tokens)
+                span.set_attribute("ripple.gpu_seconds", result.gpu_seconds)
+                if routed_at is not None:
+                    span.set_attribute("ripple.ttft_s", max(0.0, now - routed_at))
+                if prediction is not None:
+                    span.set_attributes(
+                        {
+                            "ripple.predicted.cached_tokens": prediction.cached_tokens,
+                            "ripple.predicted.ttft_s": prediction.ttft_s,
+                        }
+                    )
+            seq = first_seq(request)  # 0, or where a migrated request's stream resumes
+            await self.runtime.bus.publish_fast(
+                tokens_subject(request.tenant, request.request_id),
+                TokenChunk(
+                    event_id=f"{request.request_id}-{seq}",
+                    occurred_at=now,
+                    request_id=request.request_id,
+                    seq=seq,
+                    token_ids=[result.first_token_id],
+                    text=self.engine.detokenize([result.first_token_id]),
+                ),
+            )
+            # Let the connection's flusher send the first token now, before the hand-off's work
+            # (which would otherwise hold it back to share one write): this is time to first token.
+            await asyncio.sleep(0)
+        finally:
+            late.record()
         TOKENS_OUT.labels(self.worker_id).inc()
         GPU_SECONDS.labels(self.worker_id, "prefill").inc(result.gpu_seconds)
         if hand_off is not None:

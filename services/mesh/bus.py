@@ -35,7 +35,7 @@ from schemas.subjects import (
     StreamSpec,
 )
 from services.mesh.nats_auth import NatsCredentials
-from services.mesh.tracing import inject_headers, subject_family, tracer
+from services.mesh.tracing import LateSpan, inject_headers, subject_family
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +340,9 @@ class Bus:
         ``Nats-Msg-Id`` is the event's id, so a retried publish is stored once; transient
         failures (a node lost, a leader election) are retried for up to `PUBLISH_RETRY_S`.
         """
-        with tracer().start_as_current_span(
+        # The producer span is built once the publish is acked (LateSpan): the message does not
+        # wait on it; the consumer's span still names it as parent.
+        span = LateSpan(
             f"send {subject_family(subject)}",
             kind=SpanKind.PRODUCER,
             attributes={
@@ -349,14 +351,18 @@ class Bus:
                 "messaging.destination.name": subject,
                 "messaging.message.id": event.event_id,
             },
-        ):
-            headers = inject_headers({"Nats-Msg-Id": event.event_id})
-            payload = encode_event(event)
-            if self.direct and subject.startswith(DIRECT_SOURCES):
-                # The consumer may start on this copy; the stored one below stays the record.
-                with contextlib.suppress(Exception):
-                    await self.nc.publish(direct_subject(subject), payload, headers=headers)
-            await publish_acked(self.js, subject, payload, headers, timeout_s=timeout_s)
+        )
+        try:
+            with span.activate():
+                headers = inject_headers({"Nats-Msg-Id": event.event_id})
+                payload = encode_event(event)
+                if self.direct and subject.startswith(DIRECT_SOURCES):
+                    # The consumer may start on this copy; the stored one below stays the record.
+                    with contextlib.suppress(Exception):
+                        await self.nc.publish(direct_subject(subject), payload, headers=headers)
+                await publish_acked(self.js, subject, payload, headers, timeout_s=timeout_s)
+        finally:
+            span.record()
 
     async def publish_fast(self, subject: str, event: Event) -> None:
         """Publish without waiting for the stream's ack (token chunks: many, small, ordered by seq).

@@ -33,20 +33,20 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
 
 from schemas.events import DeadLetter, derived_event_id, new_event_id
 from schemas.subjects import ConsumerSpec, dlq_subject
 from services.mesh.bus import DIRECT_SOURCES, Bus, direct_subject, stream_subject_of
-from services.mesh.tracing import REQUEST_ID, extract_context, subject_family, tracer
+from services.mesh.inline_sub import subscribe_inline
+from services.mesh.tracing import REQUEST_ID, LateSpan, extract_context, subject_family
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class PullFeed:
     async def start(self) -> None:
         self._inbox = self._bus.nc.new_inbox()
 
-        async def on_msg(msg: Msg) -> None:
+        def on_msg(msg: Msg) -> None:
             status = msg.headers.get("Status") if msg.headers else None
             if status is not None and not msg.data:
                 self._queue.put_nowait(msg)
@@ -181,7 +181,8 @@ class PullFeed:
                 self._deliver(msg)
                 self._queue.put_nowait(_DELIVERED)
 
-        self._sub = await self._bus.nc.subscribe(self._inbox, cb=on_msg)
+        # Called from the connection's read loop: the handler's task starts one loop turn sooner.
+        self._sub = await subscribe_inline(self._bus.nc, self._inbox, on_msg)
 
     def stop(self) -> None:
         self._stopping = True
@@ -288,8 +289,10 @@ class Consumer(Generic[E]):
             subject = self.spec.filter_subject
             if subject.startswith(DIRECT_SOURCES):
                 subject = direct_subject(subject)
-            self._direct_sub = await self.bus.nc.subscribe(
-                subject, queue=self.spec.durable, cb=self._on_direct
+            # Inline like the pull's inbox: a direct copy is seen before its stored copy, which
+            # the server sends after it.
+            self._direct_sub = await subscribe_inline(
+                self.bus.nc, subject, self._on_direct, queue=self.spec.durable
             )
         self._loop_task = asyncio.create_task(self._run(), name=f"consume-{self.spec.durable}")
 
@@ -317,7 +320,7 @@ class Consumer(Generic[E]):
         self._inflight.add(task)
         task.add_done_callback(self._done)
 
-    async def _on_direct(self, msg: Msg) -> None:
+    def _on_direct(self, msg: Msg) -> None:
         """The publish itself, heard on core NATS before the stream delivers its stored copy."""
         if self._stopping or self._presence is None or not self._presence.alone() or self._free() <= 0:
             return
@@ -339,8 +342,9 @@ class Consumer(Generic[E]):
         subject = stream_subject_of(msg.subject)
         delivery = Delivery(subject, headers, 1, 0)
         failure: Exception | None = None
+        late = self._process_span(subject, headers, event, event_id, 1, {"ripple.direct": True})
         try:
-            with self._process_span(subject, headers, event, event_id, 1, {"ripple.direct": True}) as span:
+            with late.activate() as span:
                 try:
                     await self.handler(event, delivery)
                 except asyncio.CancelledError:
@@ -353,6 +357,8 @@ class Consumer(Generic[E]):
             self._running.pop(event_id, None)
             running.release()
             raise
+        finally:
+            late.record()
         self._running.pop(event_id, None)
         stored = running.release()
         if failure is None:
@@ -455,10 +461,11 @@ class Consumer(Generic[E]):
         event_id: str,
         delivery_count: int,
         extra: dict[str, Any] | None = None,
-    ) -> AbstractContextManager[Span]:
+    ) -> LateSpan:
         """The consumer span of one handling (OTel messaging conventions), child of the
-        publisher's context carried in the headers."""
-        return tracer().start_as_current_span(
+        publisher's context carried in the headers. Built by the SDK once the handler is done
+        (LateSpan): the handler's own message does not wait on it."""
+        return LateSpan(
             f"process {subject_family(subject)}",
             context=extract_context(headers),
             kind=SpanKind.CONSUMER,
@@ -478,25 +485,29 @@ class Consumer(Generic[E]):
         self, msg: Msg, delivery: Delivery, headers: dict[str, str], event: E, event_id: str, started: float
     ) -> None:
         name = self.spec.durable
-        with self._process_span(msg.subject, headers, event, event_id, delivery.num_delivered) as span:
-            progress = _ProgressReporter(msg, max(self.spec.ack_wait_s / 3, 0.5))
-            try:
-                await self.handler(event, delivery)
-            except asyncio.CancelledError:
-                # Shutdown mid-handler: leave it unacked; it is redelivered to a live replica.
-                raise
-            except PermanentError as exc:
-                span.set_status(Status(StatusCode.ERROR, str(exc)))
-                await self._dead_letter(msg, delivery, f"rejected by handler: {exc}")
-                MESSAGES.labels(name, "dead_lettered").inc()
-                return
-            except Exception as exc:
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, repr(exc)))
-                await self._retry_or_dead_letter(msg, delivery, exc)
-                return
-            finally:
-                progress.cancel()
+        late = self._process_span(msg.subject, headers, event, event_id, delivery.num_delivered)
+        try:
+            with late.activate() as span:
+                progress = _ProgressReporter(msg, max(self.spec.ack_wait_s / 3, 0.5))
+                try:
+                    await self.handler(event, delivery)
+                except asyncio.CancelledError:
+                    # Shutdown mid-handler: leave it unacked; it is redelivered to a live replica.
+                    raise
+                except PermanentError as exc:
+                    span.set_status(Status(StatusCode.ERROR, str(exc)))
+                    await self._dead_letter(msg, delivery, f"rejected by handler: {exc}")
+                    MESSAGES.labels(name, "dead_lettered").inc()
+                    return
+                except Exception as exc:
+                    span.record_exception(exc)
+                    span.set_status(Status(StatusCode.ERROR, repr(exc)))
+                    await self._retry_or_dead_letter(msg, delivery, exc)
+                    return
+                finally:
+                    progress.cancel()
+        finally:
+            late.record()
         if event_id:
             self._seen.add(event_id)
         await self._ack(msg)
