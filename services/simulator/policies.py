@@ -125,7 +125,7 @@ class FleetPrefixView:
                 matched = guess
             else:
                 matched = _cached_prefix(cached, block_hashes, guess)
-            if not cached[block_hashes[matched - 1]] and worker.advance(now):
+            if not cached[block_hashes[matched - 1]] and worker.may_evict(now) and worker.advance(now):
                 matched = _cached_prefix(cached, block_hashes, guess)
             if matched:
                 found[worker_id] = guess = matched

@@ -297,6 +297,8 @@ class SimWorker:
         self._chunk_left = -1  # -1: no chunk
         self._chunk_step_end = 0.0
         self._chunk_step = (0.0, 0.0, 0.0)
+        # At most the KV blocks the chunk's steps after the one in flight take (`may_evict`).
+        self._chunk_blocks = 0
         # Statistics.
         self.steps = 0
         self.busy_seconds = 0.0
@@ -639,6 +641,7 @@ class SimWorker:
         m1 = cost.decode_bytes_slope * decodes / cost.bytes_rate
         busy = _sum_of_max(c0, c1, m0, m1, k + 1, k + 1 + later)
         self._chunk_left = later
+        self._chunk_blocks = decodes * (later // self.block_size + 1)
         self._chunk_step_end = now + seconds
         self._chunk_step = (d0, d1, seconds)
         self.busy = True
@@ -660,6 +663,15 @@ class SimWorker:
     @property
     def in_chunk(self) -> bool:
         return self._chunk_left >= 0
+
+    def may_evict(self, now: float) -> bool:
+        """Whether `advance(now)` could evict cached blocks: False when no step of the chunk is
+        due by `now`, or when every block its steps may still take is free. (Nothing but
+        `advance` takes blocks during a chunk: anything else touching the worker cuts it first.
+        So what the steps take comes off `free_blocks`, and the bound set at the chunk's start
+        stays a bound on what is left against what is free.) A prefix match read without
+        advancing then equals the one read after: the steps only take free blocks."""
+        return self._chunk_left > 0 and self._chunk_step_end <= now and self._chunk_blocks > self.blocks._free
 
     def advance(self, now: float) -> int:
         """Apply the chunk's steps that ended by `now` (never its last: that one is `end_step`'s),

@@ -275,11 +275,12 @@ class BlockManager:
         self._free += holding.private
 
     def _pin(self, block_hash: int) -> None:
-        if self._refs[block_hash] == 0:
+        count = self._refs[block_hash]
+        self._refs[block_hash] = count + 1  # before a sweep, which reads who holds what
+        if count == 0:
             self._stale[block_hash] = self._stale.get(block_hash, 0) + 1
             self._evictable -= 1
             self._sweep()
-        self._refs[block_hash] += 1
 
     def _take(self, blocks: int) -> None:
         short = blocks - self._free
@@ -320,19 +321,19 @@ class BlockManager:
         return evicted
 
     def _sweep(self) -> None:
-        """Drop the stale entries from the LRU list once they outnumber the live ones."""
+        """Drop the stale entries from the LRU list once they outnumber the live ones.
+
+        A block's entries are one per release; each time it is pinned again its live entry goes
+        stale. So an evictable block's live entry is its last one and every other is stale, and
+        a held block's are all stale: what survives is each evictable block's last entry, in
+        list order, and no stale entry is left. (Computed that way, in C, rather than entry by
+        entry: an agent's long shared prompt revives hundreds of blocks per request.)"""
         lru, head = self._lru, self._lru_head
         if len(lru) - head - self._evictable <= self._evictable + self.LRU_SLACK:
             return
-        stale = self._stale
-        kept: list[int] = []
-        for block_hash in lru[head:]:
-            entries = stale.get(block_hash)
-            if entries is None:
-                kept.append(block_hash)
-            elif entries == 1:
-                del stale[block_hash]
-            else:
-                stale[block_hash] = entries - 1
-        self._lru = kept
+        # Each block once, at its last entry, in list order.
+        last = list(dict.fromkeys(reversed(lru[head:] if head else lru)))
+        last.reverse()
+        self._lru = list(compress(last, map(not_, map(self._refs.__getitem__, last))))
         self._lru_head = 0
+        self._stale.clear()
