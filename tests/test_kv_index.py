@@ -35,6 +35,24 @@ def brute_overlap(blocks: frozenset[int] | set[int], request: list[int]) -> int:
     return matched
 
 
+def answers(index: KvIndex, request: list[int]) -> dict[str, int]:
+    """`overlaps`, once `matches` (what the router reads) is seen to say the same: each worker's
+    length, and the workers by length, longest first, in the order `overlaps` lists them."""
+    found = index.overlaps(request)
+    assert list(found.values()) == sorted(found.values())  # shortest first
+    matches = index.matches(request)
+    assert bool(matches) == bool(found)
+    for worker_id in index.worker_ids:
+        assert matches.get(worker_id) == found.get(worker_id)
+        assert (worker_id in matches) == (worker_id in found)
+    assert matches.get("nobody", 0) == 0 and "nobody" not in matches
+    groups = [(depth, list(ids)) for depth, ids in matches.deepest()]
+    lengths = sorted(set(found.values()), reverse=True)
+    assert groups == [(n, [w for w, d in found.items() if d == n]) for n in lengths]
+    assert dict(matches) == found and len(matches) == len(found)
+    return found
+
+
 def events(
     worker: str,
     seq: int,
@@ -177,13 +195,13 @@ def test_drop_and_slot_reuse_keep_the_map_consistent() -> None:
             live[name] = blocks
         for request in ([*shared, 7, 8], [rng.randrange(50) for _ in range(rng.randrange(1, 8))]):
             expected = {w: n for w, b in live.items() if (n := brute_overlap(b, request))}
-            assert index.overlaps(request) == expected
+            assert answers(index, request) == expected
     index.check_invariants()
     assert index.block_counts() == {w: len(b) for w, b in live.items()}
     for _ in range(200):
         request = [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
         expected = {w: n for w, b in live.items() if (n := brute_overlap(b, request))}
-        assert index.overlaps(request) == expected
+        assert answers(index, request) == expected
     assert not index.drop_worker("nobody")
 
 
@@ -204,15 +222,15 @@ def test_a_wide_fleet_matches_the_brute_force_with_and_without_the_group_cache()
     requests += [[rng.randrange(60) for _ in range(rng.randrange(1, 6))] for _ in range(100)]
     for request in requests * 2:  # twice: the second time from the cache
         expected = {w: n for w, b in holdings.items() if (n := brute_overlap(b, request))}
-        assert cached.overlaps(request) == expected
-        assert uncached.overlaps(request) == expected
+        assert answers(cached, request) == expected
+        assert answers(uncached, request) == expected
     # A worker leaving changes the slots: cached groups must not name it any more.
     gone = "w007"
     cached.drop_worker(gone)
     del holdings[gone]
     for request in requests:
         expected = {w: n for w, b in holdings.items() if (n := brute_overlap(b, request))}
-        assert cached.overlaps(request) == expected
+        assert answers(cached, request) == expected
 
 
 def test_predicted_cached_tokens_leaves_one_token_to_compute() -> None:
@@ -301,7 +319,7 @@ def check(index: KvIndex, incarnations: dict[tuple[str, float], SimWorker], rng:
             assert index.overlap(name, request) == matched
             if matched:
                 expected[name] = matched
-        assert index.overlaps(request) == expected
+        assert answers(index, request) == expected
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -417,4 +435,4 @@ def test_overlaps_equal_the_brute_force_for_any_holdings(chains: list[list[int]]
     for i, blocks in enumerate(chains):
         index.apply_dump(dump(f"w{i}", 0, set(blocks)))
     expected = {f"w{i}": n for i, blocks in enumerate(chains) if (n := brute_overlap(set(blocks), request))}
-    assert index.overlaps(request) == expected
+    assert answers(index, request) == expected

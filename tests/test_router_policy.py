@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -393,3 +394,55 @@ def test_bad_fleets() -> None:
     assert isinstance(place(stale, request(), NoPrefix(), NOW), NoPlacement)
     draining = state_of(dataclasses.replace(view("a"), draining=True), view("b"))
     assert decide(draining, request()).decode_worker == "b"
+
+
+def test_the_kv_index_and_a_plain_mapping_of_the_same_match_place_alike() -> None:
+    """The decision reads the KV index's match lazily (`KvIndex.matches`: only the workers it
+    looks at); it must place every request exactly as from the whole mapping (`overlaps`), ties
+    between equally deep workers included."""
+    import random
+
+    from schemas.events import KvDump
+    from services.router.kv_index import KvIndex
+
+    rng = random.Random(5)
+    chain = list(range(1000, 1064))
+    index = KvIndex(BLOCK)
+    workers = []
+    for i in range(40):
+        gpu = "H200" if i % 3 == 0 else "H100"
+        role = "prefill" if i % 4 == 3 else "decode"
+        workers.append(
+            view(f"w{i:02d}", role=role, gpu=gpu, running=i % 6, used=(i * 611) % TOTAL, queued=(i % 4) * 700)
+        )
+        # Few distinct depths, so that several workers tie at each.
+        held = set(chain[: rng.choice([0, 8, 8, 24, 24, 64])]) | {rng.randrange(5000) for _ in range(20)}
+        index.apply_dump(
+            KvDump(
+                event_id=f"d{i}",
+                occurred_at=0.0,
+                worker_id=f"w{i:02d}",
+                model=MODEL,
+                block_size=BLOCK,
+                seq=0,
+                block_hashes=sorted(held),
+            )
+        )
+
+    class WholeMapping:
+        """The same index seen through `overlaps` alone."""
+
+        def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+            return index.overlap(worker_id, block_hashes)
+
+        def overlaps(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
+            return index.overlaps(block_hashes)
+
+    lazy, whole = state_of(*workers), state_of(*workers)
+    for n in range(300):
+        blocks = chain[: rng.choice([4, 16, 40, 64])] + [rng.randrange(5000) for _ in range(rng.randrange(8))]
+        req = dataclasses.replace(
+            request(f"r{n}", prompt=len(blocks) * BLOCK, deadline_in=20.0 if n % 2 else None),
+            block_hashes=blocks,
+        )
+        assert place(lazy, req, index, NOW) == place(whole, req, WholeMapping(), NOW)

@@ -46,7 +46,7 @@ its cache as of `seq(worker)`, and `synced(worker)` says whether later batches a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import compress, repeat
@@ -55,7 +55,7 @@ from typing import Protocol
 from schemas.events import KvEvents
 from services.router.policy import PrefixView as PrefixView  # the protocol this index serves
 
-__all__ = ["KvIndex", "Outcome", "PrefixView", "predicted_cached_tokens"]
+__all__ = ["KvIndex", "Matches", "Outcome", "PrefixView", "predicted_cached_tokens"]
 
 # Masks with more set bits than this have their worker ids cached (`KvIndex._groups`).
 _FEW_BITS = 4
@@ -113,6 +113,71 @@ class _Worker:
     # The incarnation (process start) the blocks belong to; None until one is announced.
     started_at: float | None = None
     pending: dict[int, KvEvents] = field(default_factory=dict)
+
+
+class Matches(Mapping[str, int]):
+    """Every worker's matched prefix for one request (`KvIndex.matches`): a mapping worker id ->
+    leading blocks matched, like `overlaps`, read without turning the whole match into ids."""
+
+    __slots__ = ("_any", "_depths", "_dict", "_index", "_leaving", "_left")
+
+    def __init__(self, index: KvIndex, leaving: list[int], depths: list[int], left: list[int]):
+        self._index = index
+        self._leaving = leaving
+        self._depths = depths
+        self._left = left
+        # Every worker matching at least one block: the first group and those beyond it.
+        self._any = leaving[0] | left[0] if leaving else 0
+        self._dict: dict[str, int] | None = None
+
+    def get(self, worker_id: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        worker = self._index._workers.get(worker_id)
+        if worker is None or not self._any & worker.bit:
+            return default
+        # The masks beyond each group shrink group by group (to 0 after the last): the worker's
+        # group is the first whose mask beyond lacks it.
+        bit, left = worker.bit, self._left
+        lo, hi = 0, len(left) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if left[mid] & bit:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self._depths[lo]
+
+    def __getitem__(self, worker_id: str) -> int:
+        depth = self.get(worker_id)
+        if depth is None:
+            raise KeyError(worker_id)
+        return depth
+
+    def __contains__(self, worker_id: object) -> bool:
+        return isinstance(worker_id, str) and self.get(worker_id) is not None
+
+    def __bool__(self) -> bool:
+        return bool(self._leaving)
+
+    def _resolved(self) -> dict[str, int]:
+        if self._dict is None:
+            result: dict[str, int] = {}
+            for mask, depth in zip(self._leaving, self._depths, strict=True):
+                self._index._emit(mask, depth, result)
+            self._dict = result
+        return self._dict
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def deepest(self) -> Iterator[tuple[int, tuple[str, ...]]]:
+        """(blocks matched, the workers that matched that many, in slot order), longest first:
+        the order in which `overlaps` lists them, by group from the end."""
+        group = self._index._group
+        for mask, depth in zip(reversed(self._leaving), reversed(self._depths), strict=True):
+            yield depth, group(mask)
 
 
 class KvIndex:
@@ -213,15 +278,36 @@ class KvIndex:
         return matched
 
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Every worker's matched prefix length in blocks; workers matching nothing are left out."""
+        """Every worker's matched prefix length in blocks; workers matching nothing are left out.
+        In order of increasing length, and by worker slot among equal lengths."""
+        leaving, depths, _ = self._walk(block_hashes)
+        result: dict[str, int] = {}
+        for mask, depth in zip(leaving, depths, strict=True):
+            self._emit(mask, depth, result)
+        return result
+
+    def matches(self, block_hashes: Sequence[int]) -> Matches:
+        """`overlaps` as the walk left it, resolved into worker ids only as far as it is read: a
+        worker's length costs a binary search over the groups, and `deepest()` gives the groups
+        longest first. The router reads a few workers of a match that can hold a thousand.
+        Valid until the index next changes."""
+        leaving, depths, left = self._walk(block_hashes)
+        return Matches(self, leaving, depths, left)
+
+    def _walk(self, block_hashes: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """The match as groups of worker slots that leave it together, shortest first: per group
+        its slot mask, its length in blocks, and the mask of the workers matching beyond it (the
+        last group's is 0)."""
+        leaving: list[int] = []
+        depths: list[int] = []
+        left: list[int] = []
         n = len(block_hashes)
         if not n:
-            return {}
+            return leaving, depths, left
         holders = self._holders
         mask = holders.get(block_hashes[0], 0)
         if not mask:
-            return {}
-        result: dict[str, int] = {}
+            return leaving, depths, left
         i = 1
         while True:
             if not mask & (mask - 1):
@@ -231,19 +317,25 @@ class KvIndex:
                 blocks = self._workers[worker_id].blocks
                 while i < n and block_hashes[i] in blocks:
                     i += 1
-                result[worker_id] = i
-                return result
+                leaving.append(mask)
+                depths.append(i)
+                left.append(0)
+                return leaving, depths, left
             while i < n:
                 narrowed = mask & holders.get(block_hashes[i], 0)
                 if narrowed != mask:
                     break
                 i += 1
             else:
-                self._emit(mask, n, result)
-                return result
-            self._emit(mask ^ narrowed, i, result)
+                leaving.append(mask)
+                depths.append(n)
+                left.append(0)
+                return leaving, depths, left
+            leaving.append(mask ^ narrowed)
+            depths.append(i)
+            left.append(narrowed)
             if not narrowed:
-                return result
+                return leaving, depths, left
             mask = narrowed
             i += 1
 
@@ -258,8 +350,14 @@ class KvIndex:
                     result[worker_id] = depth
                 mask ^= low
             return
-        # Many workers leave the match together where a shared prefix ends; requests on the same
-        # hot prefix meet the same masks, so their ids are kept (valid while slots stay put).
+        result.update(zip(self._group(mask), repeat(depth)))
+
+    def _group(self, mask: int) -> tuple[str, ...]:
+        """The ids of the workers in `mask`, in slot order. Many workers leave the match together
+        where a shared prefix ends; requests on the same hot prefix meet the same masks, so the
+        ids of wide masks are kept (valid while slots stay put)."""
+        if mask.bit_count() <= _FEW_BITS:
+            return self._ids_of(mask)
         group = self._groups.get(mask)
         if group is None:
             group = self._ids_of(mask)
@@ -267,7 +365,7 @@ class KvIndex:
                 if len(self._groups) >= self.group_cache_size:
                     self._groups.clear()
                 self._groups[mask] = group
-        result.update(zip(group, repeat(depth)))
+        return group
 
     def clear_group_cache(self) -> None:
         self._groups.clear()

@@ -48,6 +48,8 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import eq
 from typing import Literal, Protocol
 
 LIVENESS_S = 3.0
@@ -71,6 +73,10 @@ class PrefixView(Protocol):
     def overlaps(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
         """Every worker's matched leading blocks; workers matching nothing may be left out."""
         ...
+
+    # A view may also have `matches(block_hashes)`: the same mapping, read lazily, with
+    # `deepest()` giving (depth, worker ids) longest first in the mapping's order (`KvIndex`);
+    # the decision then resolves only the workers it reads (`_matched`, `_deepest`).
 
 
 class NoPrefix:
@@ -234,8 +240,8 @@ class RouterState:
     # Per model: worker id -> block size (a mismatch is looked for only when two sizes exist).
     _block_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     _size_counts: dict[str, dict[int, int]] = field(default_factory=dict)  # model -> size -> workers
-    # Per worker: its batch as of its current stamp (`_batch`).
-    _batches: dict[str, tuple[int, tuple[int, float, float, float]]] = field(default_factory=dict)
+    # Per worker: its figures as of its current stamp (`_figures`).
+    _figures: dict[str, _Figures] = field(default_factory=dict)
     # Per worker: prompt tokens placed per second (decaying average over `rate_window_s`), and
     # when it was last updated.
     _rates: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -305,7 +311,7 @@ class RouterState:
         self.placed_since_heartbeat.pop(worker_id, None)
         self.placed.pop(worker_id, None)
         self._stamps.pop(worker_id, None)
-        self._batches.pop(worker_id, None)
+        self._figures.pop(worker_id, None)
         self._rates.pop(worker_id, None)
         self._inflight.pop(worker_id, None)
         self._inflight_worth.pop(worker_id, None)
@@ -566,6 +572,7 @@ class _Side:
     utilisation: float  # how busy it is: the share of its price its GPU time costs the fleet
     new_blocks: int  # KV blocks the request adds there (its cached prefix is already there)
     kv_fraction: float  # the worker's KV in use once they are added
+    cold_s: float = 0.0  # loading the weights or adapter it lacks for the request
 
 
 def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -578,7 +585,8 @@ def _prefill_seconds(
 ) -> float:
     """Wall time to prefill `new` tokens after `cached`, in chunks beside `decodes` decodes
     (holding `context` tokens of KV). `prompt`: the tokens are many prompts of about this size
-    (a queue), not one (attention grows with each prompt's own length, not the queue's)."""
+    (a queue), not one (attention grows with each prompt's own length, not the queue's).
+    (`_side` computes the same figures inline, with the worker's constants from `_figures`.)"""
     if new <= 0:
         return 0.0
     chunk = max(1, speed.max_batch_tokens - decodes)
@@ -597,23 +605,35 @@ def _prefill_seconds(
     return steps * speed.step_overhead_s + max(compute, memory)
 
 
-def _prefill_gpu_seconds(speed: WorkerSpeed, new: float, cached: float) -> float:
-    """The request's own share of its prefill steps (what the ledger charges it)."""
-    if new <= 0:
-        return 0.0
-    pairs = new * cached + new * (new + 1) / 2.0
-    compute = (new * speed.flops_per_token + pairs * speed.flops_per_pair) / speed.flops_per_s
-    return compute + speed.step_overhead_s * math.ceil(new / speed.max_batch_tokens)
+@dataclass(slots=True)
+class _Figures:
+    """A worker's figures that change only with its state (a heartbeat or a placement, i.e. its
+    stamp in the least-loaded heaps), kept so that a decision does not recompute them: the
+    running batch as the router sees it (what the heartbeat reported plus what was placed since)
+    and what this router placed there."""
+
+    stamp: int
+    decodes: int  # its running batch's decodes
+    context: float  # their KV tokens
+    rate: float  # the prefill rate beside them (tokens/s)
+    step_s: float  # a decode step's time
+    chunk: int  # the prompt tokens a step has room for beside the decodes
+    step_read_bytes: float  # what a prefill step reads besides the prompt's own KV
+    held: int  # KV blocks held: the heartbeat's and those placed since
+    placed_tokens: int  # uncached prompt tokens placed since the heartbeat
+    free: int | None  # KV blocks neither held nor cached, less those placed (None: unknown)
+    prefill_tokens_per_s: float
+    price_per_s: float
 
 
-def _batch(state: RouterState, worker: WorkerView, placed: _Placed | None) -> tuple[int, float, float, float]:
-    """The worker's running batch as the router sees it (what its heartbeat reported plus what was
-    placed since): decodes, their KV tokens, the prefill rate beside them (tokens/s), a decode
-    step's time. Kept per state of the worker: it changes with a heartbeat or a placement."""
-    stamp = state._stamps.get(worker.worker_id, -1)
-    known = state._batches.get(worker.worker_id)
-    if known is not None and known[0] == stamp:
-        return known[1]
+def _figures(state: RouterState, worker: WorkerView) -> _Figures:
+    """The worker's `_Figures`, recomputed only when its stamp changed."""
+    worker_id = worker.worker_id
+    stamp = state._stamps.get(worker_id, -1)
+    known = state._figures.get(worker_id)
+    if known is not None and known.stamp == stamp:
+        return known
+    placed = state.placed.get(worker_id)
     speed = worker.speed
     decodes = min(worker.running + (placed.requests if placed is not None else 0), speed.max_running)
     context = (
@@ -622,10 +642,23 @@ def _batch(state: RouterState, worker: WorkerView, placed: _Placed | None) -> tu
         else float(worker.kv_blocks_used * worker.block_size)
     )
     chunk = max(1, speed.max_batch_tokens - decodes)
-    rate = chunk / _prefill_seconds(speed, chunk, 0.0, decodes, context)
-    batch = (decodes, context, rate, speed.decode_step_seconds(max(1, decodes), context))
-    state._batches[worker.worker_id] = (stamp, batch)
-    return batch
+    placed_blocks = placed.blocks if placed is not None else 0
+    figures = _Figures(
+        stamp=stamp,
+        decodes=decodes,
+        context=context,
+        rate=chunk / _prefill_seconds(speed, chunk, 0.0, decodes, context),
+        step_s=speed.decode_step_seconds(max(1, decodes), context),
+        chunk=chunk,
+        step_read_bytes=speed.weight_read_bytes + context * speed.kv_bytes_per_token,
+        held=worker.kv_blocks_used + placed_blocks,
+        placed_tokens=placed.tokens if placed is not None else 0,
+        free=worker.kv_blocks_free - placed_blocks if worker.kv_blocks_free is not None else None,
+        prefill_tokens_per_s=speed.prefill_tokens_per_s,
+        price_per_s=worker.price_per_hour / 3600.0,
+    )
+    state._figures[worker_id] = figures
+    return figures
 
 
 def _side(
@@ -636,28 +669,84 @@ def _side(
     now: float,
 ) -> _Side:
     """The worker's part if the request's prefill runs there (`ready_s`), or if its KV is handed
-    to it after a prefill elsewhere (`kv_ready_s`)."""
+    to it after a prefill elsewhere (`kv_ready_s`).
+
+    The hot path of a decision (a dozen calls each): `backlog_tokens` and `_prefill_seconds`
+    are written out inline over the worker's `_figures`, operation for operation in the same
+    order, so that the figures (and so the decisions) stay the same to the last bit."""
     speed = worker.speed
-    placed = state.placed.get(worker.worker_id)
+    fig = _figures(state, worker)
     block = request.block_size
     prompt = request.prompt_tokens
-    cached = cached_tokens(matched_blocks, prompt, block)
+    cached = matched_blocks * block
+    if cached > prompt - 1:
+        cached = prompt - 1
+    if cached < 0:
+        cached = 0
     new = prompt - cached
-    decodes, context, rate, step_s = _batch(state, worker, placed)
-    queue_tokens = backlog_tokens(worker, state, now, rate, prompt)
-    wait = _prefill_seconds(speed, queue_tokens, 0.0, decodes, context, prompt)
-    own = _prefill_seconds(speed, new, cached, decodes, context)
-    # What its prefill adds to the steps of the decodes running beside it (a short prompt rides
-    # along in a memory-bound decode step almost for free).
-    added = own
-    if decodes and new > 0:
-        steps = math.ceil(new / max(1, speed.max_batch_tokens - decodes))
-        added = max(0.0, own - steps * step_s)
+    decodes = fig.decodes
+    context = fig.context
+    rate = fig.rate
+    chunk = fig.chunk
+    flops_per_token = speed.flops_per_token
+    flops_per_pair = speed.flops_per_pair
+    flops_per_s = speed.flops_per_s
+    kv_bytes = speed.kv_bytes_per_token
+    bytes_per_s = speed.bytes_per_s
+    overhead_s = speed.step_overhead_s
+    # The prompt tokens waiting there now (`backlog_tokens`, its queue estimated from the depth
+    # with prompts like this one when the worker does not report it).
+    queued = worker.queued_tokens
+    if queued is None:
+        queued = worker.queue_depth * prompt
+    elapsed = now - worker.heartbeat_at
+    done = (elapsed if elapsed > 0.0 else 0.0) * rate
+    queue_tokens = queued + fig.placed_tokens - done
+    if not queue_tokens > 0.0:
+        queue_tokens = 0.0
+    # Prefilling that queue, as many prompts of this size (`_prefill_seconds` with `prompt`).
+    wait = 0.0
+    if queue_tokens > 0:
+        steps = math.ceil(queue_tokens / chunk)
+        pairs = queue_tokens * (prompt + 1) / 2.0
+        compute = (
+            (queue_tokens + steps * decodes) * flops_per_token + (pairs + steps * context) * flops_per_pair
+        ) / flops_per_s
+        memory = (steps * fig.step_read_bytes + (queue_tokens + 0.0) * kv_bytes) / bytes_per_s
+        wait = steps * overhead_s + (memory if memory > compute else compute)
+    # Its own prefill after the cached prefix (`_prefill_seconds`), what its prefill adds to the
+    # steps of the decodes running beside it (a short prompt rides along in a memory-bound
+    # decode step almost for free), and its own GPU time (the
+    # steps' compute and overhead, what the ledger charges it).
+    own = 0.0
+    added = 0.0
+    prefill_gpu_s = 0.0
+    if new > 0:
+        steps = math.ceil(new / chunk)
+        pairs = new * cached + new * (new + 1) / 2.0
+        compute = (
+            (new + steps * decodes) * flops_per_token + (pairs + steps * context) * flops_per_pair
+        ) / flops_per_s
+        memory = (steps * fig.step_read_bytes + (new + cached) * kv_bytes) / bytes_per_s
+        own = steps * overhead_s + (memory if memory > compute else compute)
+        added = own
+        if decodes:
+            added = own - steps * fig.step_s
+            if not added > 0.0:
+                added = 0.0
+        prefill_gpu_s = (
+            new * flops_per_token + pairs * flops_per_pair
+        ) / flops_per_s + overhead_s * math.ceil(new / speed.max_batch_tokens)
     # Memory: the blocks it needs beyond the cached prefix, against what the running batch and
     # the placements since the heartbeat hold.
-    need = -(-(prompt + request.max_tokens) // block) - min(matched_blocks, -(-prompt // block))
-    held = worker.kv_blocks_used + (placed.blocks if placed is not None else 0)
-    available = worker.kv_blocks_total - held - int(queue_tokens // block)
+    max_tokens = request.max_tokens
+    prompt_blocks = -(-prompt // block)
+    need = -(-(prompt + max_tokens) // block) - (
+        matched_blocks if matched_blocks < prompt_blocks else prompt_blocks
+    )
+    held = fig.held
+    total = worker.kv_blocks_total
+    available = total - held - int(queue_tokens // block)
     evicted = 0
     memory_wait = 0.0
     if need > available:
@@ -666,39 +755,59 @@ def _side(
         # (half an output like this request's), the k-th end comes at 2 x remaining x k/(n+1).
         deficit = need - max(0, available)
         n = max(1, decodes)
-        remaining = 0.5 * request.max_tokens * step_s
+        remaining = 0.5 * max_tokens * fig.step_s
         ends = min(n, math.ceil(deficit * n / max(1, held)))
         memory_wait = 2.0 * remaining * ends / (n + 1)
-    elif worker.kv_blocks_free is not None:
-        free = worker.kv_blocks_free - (placed.blocks if placed is not None else 0)
-        evicted = max(0, min(need, need - free))
-    cold = _cold_seconds(worker, request)
-    config = state.config
+    elif fig.free is not None:
+        evicted = max(0, min(need, need - fig.free))
+    # Loading what it lacks (`_cold_seconds`).
+    cold = 0.0 if worker.warm else worker.cold_load_s
+    if request.adapter is not None and request.adapter not in worker.adapters:
+        cold += worker.adapter_load_s
     backlog_s = queue_tokens / rate
-    kv_fraction = min(1.0, (held + need) / worker.kv_blocks_total) if worker.kv_blocks_total else 1.0
-    utilisation = max(kv_fraction, min(1.0, backlog_s / config.saturation_backlog_s))
+    if total:
+        kv_fraction = (held + need) / total
+        if not kv_fraction < 1.0:
+            kv_fraction = 1.0
+    else:
+        kv_fraction = 1.0
+    busy = backlog_s / state.config.saturation_backlog_s
+    if not busy < 1.0:
+        busy = 1.0
+    utilisation = busy if busy > kv_fraction else kv_fraction
+    # The share of its compute prompts placed by this router take (`prefill_rate`).
+    prefill_load = 0.0
+    placed_rate = state._rates.get(worker.worker_id)
+    if placed_rate is not None:
+        value, at = placed_rate
+        since = now - at
+        prefill_load = (
+            value * math.exp(-(since if since > 0.0 else 0.0) / state.config.rate_window_s)
+        ) / fig.prefill_tokens_per_s
+        if not prefill_load < 1.0:
+            prefill_load = 1.0
     return _Side(
-        worker=worker,
-        cached_tokens=cached,
-        ready_s=cold + max(wait, memory_wait) + own,
+        worker,
+        cached,
+        cold + (memory_wait if memory_wait > wait else wait) + own,
         # A hand-off's KV is admitted without prefill compute: it waits only for room.
-        kv_ready_s=cold + memory_wait,
-        own_prefill_s=own,
-        added_prefill_s=added,
-        prefill_gpu_s=_prefill_gpu_seconds(speed, new, cached),
-        evicted_blocks=evicted,
-        decodes=decodes + 1,
-        context=context + prompt + request.max_tokens / 2.0,
-        prefill_load=min(1.0, state.prefill_rate(worker.worker_id, now) / speed.prefill_tokens_per_s),
-        backlog_s=backlog_s,
-        utilisation=utilisation,
-        new_blocks=need,
-        kv_fraction=kv_fraction,
+        cold + memory_wait,
+        own,
+        added,
+        prefill_gpu_s,
+        evicted,
+        decodes + 1,
+        context + prompt + max_tokens / 2.0,
+        prefill_load,
+        backlog_s,
+        utilisation,
+        need,
+        kv_fraction,
+        cold,
     )
 
 
-def _normal_cdf(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+_SQRT2 = math.sqrt(2.0)
 
 
 @dataclass(slots=True)
@@ -731,58 +840,119 @@ class _Option:
         )
 
 
-def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _Side, now: float) -> _Option:
+@dataclass(slots=True)
+class _AsPrefill:
+    """A side's figures as the prefill of a placement, the same in every option it is in."""
+
+    price_per_s: float
+    prefill_s: float  # GPU seconds: its own prefill, the cold load, the re-prefill of evictions
+    # What a second of delay to the decodes running there is worth (for a disaggregated option).
+    imposed_worth: float
+
+
+@dataclass(slots=True)
+class _AsDecode:
+    """A side's figures as the decode of a placement, the same in every option it is in."""
+
+    price_per_s: float
+    stretched_step_s: float  # a decode step, stretched by the prompts that share its compute
+    chunk_s: float  # a full chunk of prompt tokens' compute
+    decode_gpu_s: float  # the request's share of its decode steps
+    per_step_s: float  # what the request's KV read adds to each decode step there
+    imposed_worth: float  # what a second of delay to the decodes running there is worth
+
+
+def _imposed_worth(state: RouterState, side: _Side, now: float) -> float:
+    """What a second of delay to the requests running on the side's worker is worth: known for
+    those this router placed, the standard class's worth for the others the worker reports."""
+    tracked, tracked_worth = state.inflight(side.worker.worker_id, now)
+    standard = state.config.latency_worth_usd_per_s.get("standard", 0.0)
+    return tracked_worth + max(0, side.decodes - 1 - tracked) * standard
+
+
+def _as_prefill(
+    state: RouterState, request: RouteRequest, side: _Side, now: float, disaggregated: bool
+) -> _AsPrefill:
+    price_per_s = side.worker.price_per_hour / 3600.0
+    # Evicting cached blocks that would have been reused: their re-prefill, at this worker's rate.
+    evicted_s = (
+        side.evicted_blocks
+        * request.block_size
+        * state.config.evicted_reuse_probability
+        / side.worker.speed.prefill_tokens_per_s
+    )
+    return _AsPrefill(
+        price_per_s=price_per_s,
+        prefill_s=side.prefill_gpu_s + side.cold_s + evicted_s,
+        imposed_worth=_imposed_worth(state, side, now) if disaggregated else 0.0,
+    )
+
+
+def _as_decode(state: RouterState, request: RouteRequest, side: _Side, now: float) -> _AsDecode:
+    speed = side.worker.speed
+    # Decode: one token per step of the decode worker's batch. Chunked prefill puts prompts into
+    # the same steps (decodes first, prompts fill the token budget), so while prompts take a
+    # share rho of the worker's compute, the decode steps stretch by 1 / (1 - rho); a backlog of
+    # prompts queued when it starts adds its whole prefill time, up to a full chunk per step
+    # (`_option`).
+    step = speed.decode_step_seconds(side.decodes, side.context)
+    chunk = max(1, speed.max_batch_tokens - side.decodes)
+    rho = min(MAX_PREFILL_LOAD, side.prefill_load)
+    # The request's share of its decode steps, as the ledger charges it: the weights' read and
+    # the step overhead split over the batch, its own KV read.
+    own_context = request.prompt_tokens + request.max_tokens / 2.0
+    per_token = (
+        speed.step_overhead_s / side.decodes
+        + speed.weight_read_bytes / speed.bytes_per_s / side.decodes
+        + own_context * speed.kv_bytes_per_token / speed.bytes_per_s
+    )
+    # The latency this request imposes on the requests already running where it goes: its KV is
+    # read in every decode step they share (which matters as much as the worker is busy: on a
+    # lightly used worker the extra read is a hair on a step that is mostly the weights' read).
+    return _AsDecode(
+        price_per_s=side.worker.price_per_hour / 3600.0,
+        stretched_step_s=step / (1.0 - rho),
+        chunk_s=chunk * speed.flops_per_token / speed.flops_per_s,
+        decode_gpu_s=per_token * max(0, request.max_tokens - 1),
+        per_step_s=own_context * speed.kv_bytes_per_token / speed.bytes_per_s * side.utilisation,
+        imposed_worth=_imposed_worth(state, side, now),
+    )
+
+
+def _option(
+    state: RouterState,
+    request: RouteRequest,
+    prefill: _Side,
+    decode: _Side,
+    as_prefill: _AsPrefill,
+    as_decode: _AsDecode,
+    now: float,
+) -> _Option:
+    """One placement's predictions and score: the prefill on `prefill`'s worker, the decode on
+    `decode`'s (the same side: aggregated). The figures of each side that do not depend on the
+    other come in `as_prefill` and `as_decode`, computed once per side per decision."""
     config = state.config
-    aggregated = prefill.worker is decode.worker
-    p_speed, d_speed = prefill.worker.speed, decode.worker.speed
+    aggregated = prefill is decode
     ttft = prefill.ready_s
     outputs = max(0, request.max_tokens - 1)
-    transfer_s = 0.0
     transfer_usd = 0.0
     if aggregated:
         decode_start = ttft
         backlog_s = 0.0  # what was queued ahead is prefilled before this request's first token
+        decode_s = as_decode.decode_gpu_s + 0.0
     else:
+        p_speed, d_speed = prefill.worker.speed, decode.worker.speed
         moved = max(0, request.prompt_tokens - decode.cached_tokens) * d_speed.kv_bytes_per_token
         transfer_s = moved / min(p_speed.kv_link_bytes_per_s, d_speed.kv_link_bytes_per_s)
         transfer_usd = moved / 1e9 * config.kv_transfer_usd_per_gb
         decode_start = max(ttft + transfer_s, decode.kv_ready_s)
         backlog_s = decode.backlog_s
-    # Decode: one token per step of the decode worker's batch. Chunked prefill puts prompts into
-    # the same steps (decodes first, prompts fill the token budget), so while prompts take a
-    # share rho of the worker's compute, the decode steps stretch by 1 / (1 - rho); a backlog of
-    # prompts queued when it starts adds its whole prefill time, up to a full chunk per step.
-    step = d_speed.decode_step_seconds(decode.decodes, decode.context)
-    chunk = max(1, d_speed.max_batch_tokens - decode.decodes)
-    chunk_s = chunk * d_speed.flops_per_token / d_speed.flops_per_s
-    rho = min(MAX_PREFILL_LOAD, decode.prefill_load)
-    tpot = step / (1.0 - rho) + min(chunk_s, backlog_s / outputs if outputs else 0.0)
+        decode_s = as_decode.decode_gpu_s + decode.cold_s
+    tpot = as_decode.stretched_step_s + min(as_decode.chunk_s, backlog_s / outputs if outputs else 0.0)
     completion = decode_start + outputs * tpot
-    # The request's share of its decode steps, as the ledger charges it: the weights' read and
-    # the step overhead split over the batch, its own KV read.
-    own_context = request.prompt_tokens + request.max_tokens / 2.0
-    per_token = (
-        d_speed.step_overhead_s / decode.decodes
-        + d_speed.weight_read_bytes / d_speed.bytes_per_s / decode.decodes
-        + own_context * d_speed.kv_bytes_per_token / d_speed.bytes_per_s
-    )
-    decode_gpu_s = per_token * outputs
-    p_price = prefill.worker.price_per_hour / 3600.0
-    d_price = decode.worker.price_per_hour / 3600.0
-    cold_s = _cold_seconds(prefill.worker, request)
-    if not aggregated:
-        cold_s_decode = _cold_seconds(decode.worker, request)
-    else:
-        cold_s_decode = 0.0
-    # Evicting cached blocks that would have been reused: their re-prefill, at this worker's rate.
-    evicted_s = (
-        prefill.evicted_blocks
-        * request.block_size
-        * config.evicted_reuse_probability
-        / p_speed.prefill_tokens_per_s
-    )
-    prefill_s = prefill.prefill_gpu_s + cold_s + evicted_s
-    decode_s = decode_gpu_s + cold_s_decode
+    p_price = as_prefill.price_per_s
+    d_price = as_decode.price_per_s
+    prefill_s = as_prefill.prefill_s
     # What the ledger will charge (reported), and what the fleet gives up for it (scored): GPU
     # time priced at the worker's price times its utilisation, plus the KV transfer.
     charged = prefill_s * p_price + decode_s * d_price + transfer_usd
@@ -806,39 +976,31 @@ def _option(state: RouterState, request: RouteRequest, prefill: _Side, decode: _
     if request.deadline_at is not None:
         slack = request.deadline_at - now
         sigma = config.relative_error * completion + config.absolute_error_s
-        probability = _normal_cdf((slack - completion) / sigma)
-    # The latency this request imposes on the requests already running where it goes: its
-    # prefill steps hold up their decodes, and its KV is read in every decode step they share
-    # (which matters as much as the worker is busy: on a lightly used worker the extra read
-    # is a hair on a step that is mostly the weights' read).
-    per_step = own_context * d_speed.kv_bytes_per_token / d_speed.bytes_per_s * decode.utilisation
-    # What their latency is worth: known for those this router placed, the standard class's
-    # worth for the others the worker reports.
-    worths = config.latency_worth_usd_per_s
-    standard = worths.get("standard", 0.0)
-    delays = (
-        ((decode, outputs * per_step + prefill.added_prefill_s),)
-        if aggregated
-        else ((decode, outputs * per_step), (prefill, prefill.added_prefill_s))
-    )
-    imposed_usd = 0.0
-    for side, delay in delays:
-        tracked, tracked_worth = state.inflight(side.worker.worker_id, now)
-        imposed_usd += delay * (tracked_worth + max(0, side.decodes - 1 - tracked) * standard)
-    worth = worths.get(request.priority, 0.0) * ttft + imposed_usd
+        probability = 0.5 * math.erfc(-((slack - completion) / sigma) / _SQRT2)  # the normal CDF
+    # The latency this request imposes on the requests already running where it goes (what a
+    # second of theirs is worth: `_imposed_worth`): its prefill steps hold up their decodes, and
+    # its KV is read in every decode step they share.
+    if aggregated:
+        imposed_usd = (
+            0.0 + (outputs * as_decode.per_step_s + prefill.added_prefill_s) * as_decode.imposed_worth
+        )
+    else:
+        imposed_usd = 0.0 + outputs * as_decode.per_step_s * as_decode.imposed_worth
+        imposed_usd += prefill.added_prefill_s * as_prefill.imposed_worth
+    worth = config.latency_worth_usd_per_s.get(request.priority, 0.0) * ttft + imposed_usd
     sunk = request.workflow_spent_usd
     score = (marginal + worth + sunk) / probability if probability > 1e-12 else math.inf
     return _Option(
-        mode="aggregated" if aggregated else "disaggregated",
-        prefill=prefill,
-        decode=decode,
-        ttft_s=ttft,
-        completion_s=completion,
-        cost_usd=charged,
-        probability=probability,
-        score=score,
-        marginal_usd=marginal,
-        tpot_s=tpot,
+        "aggregated" if aggregated else "disaggregated",
+        prefill,
+        decode,
+        ttft,
+        completion,
+        charged,
+        probability,
+        score,
+        marginal,
+        tpot,
     )
 
 
@@ -863,10 +1025,11 @@ def _candidates(
     wanted = config.cache_candidates
     if matched:
         workers = state.workers
-        # Workers leave a shared prefix in groups: few distinct depths, longest first.
+        # Workers leave a shared prefix in groups: few distinct depths, longest first. The
+        # workers at a depth are picked out in C (a decision can match a thousand workers).
         missing = 2 * wanted  # places left, both roles together
-        for depth in sorted(set(matched.values()), reverse=True):
-            for worker_id in [w for w, d in matched.items() if d == depth]:
+        for _, worker_ids in _deepest(matched):
+            for worker_id in worker_ids:
                 worker = workers.get(worker_id)
                 if (
                     worker is None
@@ -889,13 +1052,40 @@ def _candidates(
     return {role: list(group.values()) for role, group in chosen.items()}
 
 
+def _deepest(matched: Mapping[str, int]) -> Iterable[tuple[int, Iterable[str]]]:
+    """The matched workers by depth, longest first, each depth's in the mapping's order: from
+    `deepest()` where the match has it (`kv_index.Matches`), else picked out in C per depth (a
+    decision can match a thousand workers)."""
+    deepest = getattr(matched, "deepest", None)
+    if deepest is not None:
+        groups: Iterable[tuple[int, Iterable[str]]] = deepest()
+        return groups
+    depths = matched.values()
+    return (
+        (depth, compress(matched, map(eq, repeat(depth), depths)))
+        for depth in sorted(set(depths), reverse=True)
+    )
+
+
+def _matched(prefix: PrefixView, block_hashes: Sequence[int]) -> Mapping[str, int]:
+    """The prefix view's `overlaps`, or its `matches` where it has one (`KvIndex`: the same
+    mapping, resolved into worker ids only for the workers the decision reads)."""
+    if not block_hashes:
+        return {}
+    matches = getattr(prefix, "matches", None)
+    if matches is not None:
+        found: Mapping[str, int] = matches(block_hashes)
+        return found
+    return prefix.overlaps(block_hashes)
+
+
 def _options(
     state: RouterState, request: RouteRequest, prefix: PrefixView, now: float
 ) -> tuple[list[_Option], int] | NoPlacement:
     mismatch = _mismatch(state, request.model, request.block_size, now)
     if mismatch is not None:
         return mismatch
-    matched = prefix.overlaps(request.block_hashes) if request.block_hashes else {}
+    matched = _matched(prefix, request.block_hashes)
     candidates = _candidates(state, request, matched, now)
     decoders = candidates["decode"]
     if not decoders:
@@ -903,21 +1093,27 @@ def _options(
     prefillers = candidates["prefill"]
     options: list[_Option] = []
     decode_sides = []
+    as_decodes: dict[int, _AsDecode] = {}
+    depth = matched.get
     for worker in decoders:
-        side = _side(worker, state, request, matched.get(worker.worker_id, 0), now)
-        options.append(_option(state, request, side, side, now))
+        side = _side(worker, state, request, depth(worker.worker_id, 0), now)
+        as_decode = as_decodes[id(side)] = _as_decode(state, request, side, now)
+        options.append(
+            _option(state, request, side, side, _as_prefill(state, request, side, now, False), as_decode, now)
+        )
         decode_sides.append(side)
     if prefillers:
         pairs = state.config.pair_candidates
         prefill_sides = sorted(
-            (_side(w, state, request, matched.get(w.worker_id, 0), now) for w in prefillers),
+            (_side(w, state, request, depth(w.worker_id, 0), now) for w in prefillers),
             key=lambda s: (s.ready_s, s.prefill_gpu_s * s.worker.price_per_hour),
         )[:pairs]
         # Decode workers for a hand-off: the soonest to have room for the KV.
         handoff = sorted(decode_sides, key=lambda s: (s.kv_ready_s, s.worker.price_per_hour))[:pairs]
         for p in prefill_sides:
+            as_prefill = _as_prefill(state, request, p, now, True)
             for d in handoff:
-                options.append(_option(state, request, p, d, now))
+                options.append(_option(state, request, p, d, as_prefill, as_decodes[id(d)], now))
     return options, len(decoders) + len(prefillers)
 
 
