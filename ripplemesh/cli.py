@@ -480,11 +480,21 @@ def bench_engine(
 )
 @click.option("--requests", "count", default=5000, show_default=True, help="Requests to time.")
 @click.option("--seed", default=7, show_default=True)
-def bench_router(workers: int, blocks: int, count: int, seed: int) -> None:
+@click.option(
+    "--placements", type=click.Path(dir_okay=False), help="Write every timed decision here, one a line."
+)
+def bench_router(workers: int, blocks: int, count: int, seed: int, placements: str | None) -> None:
     """The router's KV index: each worker's cached prefix per request, p50/p99 and memory."""
     from ripplemesh.bench.router import run_router_bench
 
-    run_router_bench(workers=workers, blocks=blocks, requests=count, seed=seed, console=Console())
+    run_router_bench(
+        workers=workers,
+        blocks=blocks,
+        requests=count,
+        seed=seed,
+        console=Console(),
+        placements_out=placements,
+    )
 
 
 @bench.command("migration")

@@ -16,6 +16,9 @@ dict lookup and a few operations on a one-bit-per-worker int per block of the lo
 prefix (once one worker is left, a set lookup per block), plus putting each matching worker in the
 result: groups of workers that leave the match together, where a shared prefix ends, are turned
 into ids once and cached by mask, so hot shared prefixes cost a C-level dict update per group.
+The router reads the match through `matches` instead: the same walk, kept as its groups (a slot
+mask and a depth each), so that a decision, which reads the deepest few workers and the depth of a
+dozen others, does not turn a match of a thousand workers into a thousand dict entries.
 
 Sequencing (per worker; `KvEvents.seq` counts batches from 1 with no gaps, `KvDump.seq` is the
 batch a dump is exactly as of):
@@ -160,10 +163,7 @@ class Matches(Mapping[str, int]):
 
     def _resolved(self) -> dict[str, int]:
         if self._dict is None:
-            result: dict[str, int] = {}
-            for mask, depth in zip(self._leaving, self._depths, strict=True):
-                self._index._emit(mask, depth, result)
-            self._dict = result
+            self._dict = self._index._resolve(self._leaving, self._depths)
         return self._dict
 
     def __iter__(self) -> Iterator[str]:
@@ -281,10 +281,7 @@ class KvIndex:
         """Every worker's matched prefix length in blocks; workers matching nothing are left out.
         In order of increasing length, and by worker slot among equal lengths."""
         leaving, depths, _ = self._walk(block_hashes)
-        result: dict[str, int] = {}
-        for mask, depth in zip(leaving, depths, strict=True):
-            self._emit(mask, depth, result)
-        return result
+        return self._resolve(leaving, depths)
 
     def matches(self, block_hashes: Sequence[int]) -> Matches:
         """`overlaps` as the walk left it, resolved into worker ids only as far as it is read: a
@@ -339,18 +336,23 @@ class KvIndex:
             mask = narrowed
             i += 1
 
-    def _emit(self, mask: int, depth: int, result: dict[str, int]) -> None:
-        """result[worker] = depth for every worker slot set in `mask`."""
-        if mask.bit_count() <= _FEW_BITS:
-            ids = self._slot_ids
-            while mask:
-                low = mask & -mask
-                worker_id = ids[low.bit_length() - 1]
-                if worker_id is not None:
-                    result[worker_id] = depth
-                mask ^= low
-            return
-        result.update(zip(self._group(mask), repeat(depth)))
+    def _resolve(self, leaving: list[int], depths: list[int]) -> dict[str, int]:
+        """The walk's groups as worker id -> depth, shortest first (by slot within a group)."""
+        result: dict[str, int] = {}
+        ids = self._slot_ids
+        group = self._group
+        for mask, depth in zip(leaving, depths, strict=True):
+            if mask.bit_count() <= _FEW_BITS:
+                # A few workers: bit by bit (no call per group; a wide match has a hundred).
+                while mask:
+                    low = mask & -mask
+                    worker_id = ids[low.bit_length() - 1]
+                    if worker_id is not None:
+                        result[worker_id] = depth
+                    mask ^= low
+            else:
+                result.update(zip(group(mask), repeat(depth)))
+        return result
 
     def _group(self, mask: int) -> tuple[str, ...]:
         """The ids of the workers in `mask`, in slot order. Many workers leave the match together
