@@ -486,9 +486,16 @@ class _Chain:
         parent = self.parent
         hashes = self.hashes
         whole = offset + (length - offset) // size * size
+        mask = _MASK64
+        append = hashes.append
         for start in range(offset, whole, size):
-            parent = mix64(parent ^ segment ^ (start << 21) ^ ((start + size) << 42)) >> 1
-            hashes.append(parent)
+            # mix64(parent ^ segment ^ (start << 21) ^ ((start + size) << 42)) >> 1, inlined (a
+            # long prompt appends hundreds of blocks per step).
+            x = ((parent ^ segment ^ (start << 21) ^ ((start + size) << 42)) + 0x9E3779B97F4A7C15) & mask
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+            parent = (x ^ (x >> 31)) >> 1
+            append(parent)
         self.parent = parent
         self.tokens += whole - offset
         if whole < length:
