@@ -592,12 +592,19 @@ def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> i
 
 
 def _prefill_seconds(
-    speed: WorkerSpeed, new: float, cached: float, decodes: int, context: float, prompt: float | None = None
+    speed: WorkerSpeed,
+    new: float,
+    cached: float,
+    decodes: int,
+    context: float,
+    prompt: float | None = None,
+    step_read_bytes: float | None = None,
 ) -> float:
     """Wall time to prefill `new` tokens after `cached`, in chunks beside `decodes` decodes
     (holding `context` tokens of KV). `prompt`: the tokens are many prompts of about this size
     (a queue), not one (attention grows with each prompt's own length, not the queue's).
-    (`_side` computes the same figures inline, with the worker's constants from `_figures`.)"""
+    `step_read_bytes`: what each step reads besides the prompt's own KV (the weights and the
+    decodes' KV), when the caller has it already (`_figures`)."""
     if new <= 0:
         return 0.0
     chunk = max(1, speed.max_batch_tokens - decodes)
@@ -606,14 +613,22 @@ def _prefill_seconds(
         pairs = new * cached + new * (new + 1) / 2.0
     else:
         pairs = new * (prompt + 1) / 2.0
+    if step_read_bytes is None:
+        step_read_bytes = speed.weight_read_bytes + context * speed.kv_bytes_per_token
     compute = (
         (new + steps * decodes) * speed.flops_per_token + (pairs + steps * context) * speed.flops_per_pair
     ) / (speed.flops_per_s)
-    memory = (
-        steps * (speed.weight_read_bytes + context * speed.kv_bytes_per_token)
-        + (new + cached) * speed.kv_bytes_per_token
-    ) / speed.bytes_per_s
+    memory = (steps * step_read_bytes + (new + cached) * speed.kv_bytes_per_token) / speed.bytes_per_s
     return steps * speed.step_overhead_s + max(compute, memory)
+
+
+def _prefill_gpu_seconds(speed: WorkerSpeed, new: float, cached: float) -> float:
+    """The request's own share of its prefill steps (what the ledger charges it)."""
+    if new <= 0:
+        return 0.0
+    pairs = new * cached + new * (new + 1) / 2.0
+    compute = (new * speed.flops_per_token + pairs * speed.flops_per_pair) / speed.flops_per_s
+    return compute + speed.step_overhead_s * math.ceil(new / speed.max_batch_tokens)
 
 
 @dataclass(slots=True)
@@ -631,7 +646,6 @@ class _Figures:
     chunk: int  # the prompt tokens a step has room for beside the decodes
     step_read_bytes: float  # what a prefill step reads besides the prompt's own KV
     held: int  # KV blocks held: the heartbeat's and those placed since
-    placed_tokens: int  # uncached prompt tokens placed since the heartbeat
     free: int | None  # KV blocks neither held nor cached, less those placed (None: unknown)
     prefill_tokens_per_s: float
     price_per_s: float
@@ -663,7 +677,6 @@ def _figures(state: RouterState, worker: WorkerView) -> _Figures:
         chunk=chunk,
         step_read_bytes=speed.weight_read_bytes + context * speed.kv_bytes_per_token,
         held=worker.kv_blocks_used + placed_blocks,
-        placed_tokens=placed.tokens if placed is not None else 0,
         free=worker.kv_blocks_free - placed_blocks if worker.kv_blocks_free is not None else None,
         prefill_tokens_per_s=speed.prefill_tokens_per_s,
         price_per_s=worker.price_per_hour / 3600.0,
@@ -682,9 +695,8 @@ def _side(
     """The worker's part if the request's prefill runs there (`ready_s`), or if its KV is handed
     to it after a prefill elsewhere (`kv_ready_s`).
 
-    The hot path of a decision (a dozen calls each): `backlog_tokens` and `_prefill_seconds`
-    are written out inline over the worker's `_figures`, operation for operation in the same
-    order, so that the figures (and so the decisions) stay the same to the last bit."""
+    The hot path of a decision (a dozen calls each): what depends only on the worker's state
+    comes from its `_figures`, computed once per heartbeat or placement."""
     speed = worker.speed
     fig = _figures(state, worker)
     block = request.block_size
@@ -698,33 +710,11 @@ def _side(
     decodes = fig.decodes
     context = fig.context
     rate = fig.rate
-    chunk = fig.chunk
-    flops_per_token = speed.flops_per_token
-    flops_per_pair = speed.flops_per_pair
-    flops_per_s = speed.flops_per_s
-    kv_bytes = speed.kv_bytes_per_token
-    bytes_per_s = speed.bytes_per_s
-    overhead_s = speed.step_overhead_s
-    # The prompt tokens waiting there now (`backlog_tokens`, its queue estimated from the depth
-    # with prompts like this one when the worker does not report it).
-    queued = worker.queued_tokens
-    if queued is None:
-        queued = worker.queue_depth * prompt
-    elapsed = now - worker.heartbeat_at
-    done = (elapsed if elapsed > 0.0 else 0.0) * rate
-    queue_tokens = queued + fig.placed_tokens - done
-    if not queue_tokens > 0.0:
-        queue_tokens = 0.0
-    # Prefilling that queue, as many prompts of this size (`_prefill_seconds` with `prompt`).
-    wait = 0.0
-    if queue_tokens > 0:
-        steps = math.ceil(queue_tokens / chunk)
-        pairs = queue_tokens * (prompt + 1) / 2.0
-        compute = (
-            (queue_tokens + steps * decodes) * flops_per_token + (pairs + steps * context) * flops_per_pair
-        ) / flops_per_s
-        memory = (steps * fig.step_read_bytes + (queue_tokens + 0.0) * kv_bytes) / bytes_per_s
-        wait = steps * overhead_s + (memory if memory > compute else compute)
+    # The prompt tokens waiting there now (its queue estimated from the depth with prompts like
+    # this one when the worker does not report it).
+    queue_tokens = backlog_tokens(worker, state, now, rate, prompt)
+    # Prefilling that queue, as many prompts of this size.
+    wait = _prefill_seconds(speed, queue_tokens, 0.0, decodes, context, prompt, fig.step_read_bytes)
     # Its own prefill after the cached prefix (`_prefill_seconds`), what its prefill adds to the
     # steps of the decodes running beside it (a short prompt rides along in a memory-bound
     # decode step almost for free), and its own GPU time (the
@@ -733,21 +723,13 @@ def _side(
     added = 0.0
     prefill_gpu_s = 0.0
     if new > 0:
-        steps = math.ceil(new / chunk)
-        pairs = new * cached + new * (new + 1) / 2.0
-        compute = (
-            (new + steps * decodes) * flops_per_token + (pairs + steps * context) * flops_per_pair
-        ) / flops_per_s
-        memory = (steps * fig.step_read_bytes + (new + cached) * kv_bytes) / bytes_per_s
-        own = steps * overhead_s + (memory if memory > compute else compute)
+        own = _prefill_seconds(speed, new, cached, decodes, context, None, fig.step_read_bytes)
         added = own
         if decodes:
-            added = own - steps * fig.step_s
+            added = own - math.ceil(new / fig.chunk) * fig.step_s
             if not added > 0.0:
                 added = 0.0
-        prefill_gpu_s = (
-            new * flops_per_token + pairs * flops_per_pair
-        ) / flops_per_s + overhead_s * math.ceil(new / speed.max_batch_tokens)
+        prefill_gpu_s = _prefill_gpu_seconds(speed, new, cached)
     # Memory: the blocks it needs beyond the cached prefix, against what the running batch and
     # the placements since the heartbeat hold.
     max_tokens = request.max_tokens
