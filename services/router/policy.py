@@ -1082,7 +1082,9 @@ def _options(
     last = state._last_options
     if (
         last is not None
-        and last[0] is matched  # the view's own answer, kept alive here: not a new one at its address
+        # The view's own answer, kept alive here (not a new one at its address); two empty
+        # answers are the same answer (a view without prefix sharing gives a new {} each time).
+        and (last[0] is matched or not (last[0] or matched))
         and last[1] == now
         and last[2] == state._version
         and last[3] is state.config
