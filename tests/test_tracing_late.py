@@ -18,9 +18,10 @@ from services.mesh.tracing import LateSpan, extract_context, inject_headers, tra
 
 @pytest.fixture(scope="module")
 def spans(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    # One provider per process (OpenTelemetry allows the global one to be set once).
-    if tracing._provider is not None:
-        pytest.skip("this process already traces into another directory")
+    # One provider per process (OpenTelemetry allows the global one to be set once): a test
+    # that left a service's tracing running in this process would make these spans go elsewhere;
+    # that is a failure to see, not a reason to skip.
+    assert tracing._provider is None, "this process already traces into another directory"
     data_dir = tmp_path_factory.mktemp("late-spans")
     tracing.setup_tracing("late-test", data_dir)
     try:
