@@ -55,9 +55,9 @@ def test_under_overload_admission_protects_critical_traffic_and_cuts_waste(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Admission's own controls against none, behind a router that refuses only hopeless
-    # deadlines (its refusal of tasks not worth their cost and of new workflows past the decode
-    # knee, a control of its own, off in both runs).
-    lax = RouterConfig(worth_probability=0.0, new_task_max_tpot_s=None)
+    # deadlines (its refusal of tasks not worth their cost, of new workflows past the decode
+    # knee and of the dearest new tasks, controls of its own, off in both runs).
+    lax = RouterConfig(worth_probability=0.0, new_task_max_tpot_s=None, dearest_task_factor=None)
     monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=lax))
     admitted = run_simulation(overload(), FLEET, admission="ripplemesh")
     uncontrolled = run_simulation(overload(), FLEET, admission="none")
@@ -75,6 +75,34 @@ def test_under_overload_admission_protects_critical_traffic_and_cuts_waste(
     assert tenants["batch"]["admitted"] / tenants["batch"]["requests"] < (
         tenants["assistant"]["admitted"] / tenants["assistant"]["requests"]
     )
+
+
+def test_where_admission_only_enforces_quotas_the_router_sheds_the_dearest_new_tasks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under the rate limiter nothing but the router sheds at overload: it refuses the first
+    # steps of the dearest new tasks (the longest workflows) once the fleet is past keeping up,
+    # so the fleet's time goes to tasks that take less of it and a successful task costs less
+    # than with that refusal off. Behind the project's admission the router leaves it to admission.
+    steps = {t.task_id: t.steps for t in overload().tasks()}
+    log: list[RequestRecord] = []
+    shedding = run_simulation(overload(), FLEET, admission="rate_limit", request_log=log.append)
+    refused = [
+        steps[r.request_id.rsplit("-", 1)[0]]
+        for r in log
+        if r.outcome == "router:saturated" and r.request_id.endswith("-1")
+    ]
+    assert len(refused) > 20 and sum(refused) / len(refused) > sum(steps.values()) / len(steps) + 1
+    off = RouterConfig(dearest_task_factor=None)
+    monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=off))
+    not_shedding = run_simulation(overload(), FLEET, admission="rate_limit")
+    assert shedding.cost_per_successful_task_usd is not None
+    assert not_shedding.cost_per_successful_task_usd is not None
+    assert shedding.cost_per_successful_task_usd < 0.95 * not_shedding.cost_per_successful_task_usd
+    monkeypatch.undo()
+    for admission, controls in (("ripplemesh", True), ("rate_limit", False), ("none", False)):
+        simulator = simulator_core.Simulator(overload(workflows=1), FLEET, "ripplemesh", admission=admission)
+        assert simulator.router_state.config.admission_controls_load is controls
 
 
 def test_the_simulator_calls_the_admission_module(monkeypatch: pytest.MonkeyPatch) -> None:

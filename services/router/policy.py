@@ -206,6 +206,21 @@ class RouterConfig:
     # behind the project's admission, which defers new workflows on its own saturation bounds,
     # it refuses first steps admission has just let through (9-15% dearer; docs/router.md).
     new_task_max_tpot_s: float | None = None
+    # Where admission does not keep the fleet at its capacity (`admission_controls_load` False:
+    # quotas only, or none), the router is what sheds under overload, and it sheds the dearest
+    # new tasks first (`_dearest`): a task's first step is refused as saturated when what its
+    # steps take from the fleet is above `dearest_task_factor` x the typical new task's price x
+    # its chance of success, while the fleet is past keeping up (more than `dearest_gate` of
+    # recent first steps refused as not worth their cost, or the decode batch full). With the
+    # fleet's spend fixed, the GPU time goes to the tasks that take the least of it (agentic x20
+    # under rate_limit: 25-28% under the best baseline, two seeds; docs/router.md). Behind the
+    # project's admission, which defers and sheds new work on its own saturation bounds, it
+    # would refuse tasks the fleet would have served, so it is off there. None: off.
+    dearest_task_factor: float | None = 1.0
+    dearest_gate: float = 0.005
+    # Whether admission keeps the fleet at its capacity (the project's admission, control
+    # "ripplemesh"); the router service sets it from the mesh config, the simulator from its run.
+    admission_controls_load: bool = True
     # The chance that a cached block the request evicts would have been reused (its re-prefill
     # is then charged to this placement).
     evicted_reuse_probability: float = 0.25
@@ -223,6 +238,18 @@ class _Placed:
     requests: int = 0
     tokens: int = 0  # uncached prompt tokens to prefill
     blocks: int = 0  # KV blocks the requests will hold
+
+
+# The weight of one first step in the decaying averages of `_NewTasks` (about the last 50).
+NEW_TASK_WEIGHT = 0.02
+
+
+@dataclass(slots=True)
+class _NewTasks:
+    """Decaying averages over the first steps of tasks the router decided (`_dearest`)."""
+
+    price_usd: float | None = None  # a new task's full price: steps x its best option's cost
+    refused: float = 0.0  # the share refused as not worth their cost
 
 
 @dataclass(slots=True)
@@ -264,6 +291,8 @@ class RouterState:
     # earliest first token and the router then places it at the same instant (the simulator
     # does both in one process): the second call reuses the first's options.
     _last_options: tuple[object, ...] | None = None
+    # New tasks' first steps as placed lately (`_dearest`).
+    _new_tasks: _NewTasks = field(default_factory=lambda: _NewTasks())
 
     def observe(self, worker: WorkerView) -> None:
         previous = self.workers.get(worker.worker_id)
@@ -1210,6 +1239,55 @@ def _overloaded(config: RouterConfig, request: RouteRequest, options: list[_Opti
     return min(o.tpot_s for o in options) > config.new_task_max_tpot_s
 
 
+def _dearest(
+    state: RouterState, request: RouteRequest, options: list[_Option], refused: NoPlacement | None
+) -> NoPlacement | None:
+    """A new task's first step, where admission does not control the load: `refused` (`_refuse`'s
+    answer), or a refusal of a task dearer than the typical one against its chance, once the
+    fleet is past keeping up. On an overloaded fleet, whose spend is fixed, cost per successful
+    task falls when its GPU time goes to the tasks that take the least of it.
+
+    A step takes from the fleet its best option's marginal cost (GPU time at the workers'
+    utilisation, KV held), and at least its charged cost times how full the decode batch it
+    joins is (a batch at its limit is saturated however much KV and prefill it has to spare:
+    each new sequence takes a slot other work would take). A typical new task costs
+    `_NewTasks.price_usd` (steps x the best option's charged cost, a decaying average). Refused
+    when steps x taken > `dearest_task_factor` x typical x the task's chance of success, while
+    the fleet is past keeping up: more than `dearest_gate` of recent first steps refused as not
+    worth their cost, or the best option's decode batch full."""
+    config = state.config
+    if config.dearest_task_factor is None or config.admission_controls_load:
+        return refused
+    steps = max(1, request.workflow_steps or 1)
+    best = min(options, key=lambda o: o.score)
+    seen = state._new_tasks
+    price = steps * best.cost_usd
+    if seen.price_usd is None:
+        seen.price_usd = price
+    else:
+        seen.price_usd += NEW_TASK_WEIGHT * (price - seen.price_usd)
+    worthless = refused is not None and refused.reason == "saturated"
+    seen.refused += NEW_TASK_WEIGHT * (worthless - seen.refused)
+    decode = best.decode
+    limit_running = decode.worker.speed.max_running
+    full = decode.decodes > limit_running  # the batch once it joins: over the limit, it waits
+    if refused is not None or (seen.refused <= config.dearest_gate and not full):
+        return refused
+    occupancy = min(1.0, decode.decodes / limit_running) if limit_running > 0 else 1.0
+    taken = steps * max(best.marginal_usd, occupancy * best.cost_usd)
+    chance = max(o.probability for o in options) ** steps
+    limit = config.dearest_task_factor * seen.price_usd * chance
+    if taken <= limit:
+        return None
+    return NoPlacement(
+        "saturated",
+        f"the fleet is past keeping up ({seen.refused:.1%} of recent new tasks were not worth "
+        f"their cost; decode batch {decode.decodes - 1}/{limit_running}) and this task is among "
+        f"the dearest: its {steps} step(s) would take ${taken:.6f} of the fleet's time, against "
+        f"${limit:.6f} for a typical task at its chance ({chance:.3f})",
+    )
+
+
 def place(
     state: RouterState, request: RouteRequest, prefix: PrefixView, now: float
 ) -> Placement | NoPlacement:
@@ -1220,6 +1298,8 @@ def place(
     options, considered = scored
     if request.deadline_at is not None:
         refused = _refuse(state.config, request, options, now)
+        if (request.workflow_step or 1) == 1:
+            refused = _dearest(state, request, options, refused)
         if refused is not None:
             return refused
     best = _best(options, request.request_id)
