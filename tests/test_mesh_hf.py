@@ -30,8 +30,13 @@ def hf_mesh(test_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """Its own NATS server: worker ids must not collide with the sim mesh's."""
     with EmbeddedNats(tmp_path_factory.mktemp("nats-hf")) as server:
         mesh = Mesh(
-            data_dir=tmp_path_factory.mktemp("mesh-hf"), config_path=test_config,
-            nats_url=server.url, http_port=free_port(), prefill=1, decode=1, engine="hf",
+            data_dir=tmp_path_factory.mktemp("mesh-hf"),
+            config_path=test_config,
+            nats_url=server.url,
+            http_port=free_port(),
+            prefill=1,
+            decode=1,
+            engine="hf",
         )
         with mesh:
             yield mesh
@@ -41,9 +46,17 @@ async def _alone(test_config: Path, max_tokens: int) -> list[int]:
     """What one engine in this process generates for the same prompt."""
     config = load_config(test_config)
     request = prepare(
-        ClientRequest(request_id="reference", tenant="acme", model="llama-3-8b", api="nats",
-                      prompt=PROMPT, messages=None, max_tokens=max_tokens),
-        config, time.time(),
+        ClientRequest(
+            request_id="reference",
+            tenant="acme",
+            model="llama-3-8b",
+            api="nats",
+            prompt=PROMPT,
+            messages=None,
+            max_tokens=max_tokens,
+        ),
+        config,
+        time.time(),
     )
     engine = make_engine({"engine": "hf"}, config)
     await engine.start()

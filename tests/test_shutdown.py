@@ -26,9 +26,7 @@ async def test_sigterm_to_a_decode_worker_lets_its_streams_finish(mesh: Mesh) ->
                 assert isinstance(chunk, TokenChunk)
                 tokens += len(chunk.token_ids)
             # Stop the only decode worker while the stream is young.
-            stopping = asyncio.create_task(
-                asyncio.to_thread(mesh.stop_child, "decode-0", sig=signal.SIGTERM)
-            )
+            stopping = asyncio.create_task(asyncio.to_thread(mesh.stop_child, "decode-0", sig=signal.SIGTERM))
             async for event in events:
                 if isinstance(event, TokenChunk):
                     tokens += len(event.token_ids)
