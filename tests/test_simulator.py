@@ -304,6 +304,27 @@ def test_memory_holds_the_tasks_in_flight_not_the_workload() -> None:
     assert alive(worker_module.Seq) == 0
 
 
+@pytest.mark.parametrize(("policy", "admission"), [("ripplemesh", "ripplemesh"), ("dynamo_kv", "rate_limit")])
+def test_an_ended_request_is_freed_without_the_cycle_collector(policy: str, admission: str) -> None:
+    """Nothing of a request is in a reference cycle, so it goes when it ends, by reference counts
+    alone: left to the cycle collector, requests pile up in its oldest generation, whose full
+    passes over a 1,000-worker fleet's caches cost more the longer the run (test: the
+    stressful workload, every path taken, with the collector off)."""
+    from services.simulator import core as core_module
+
+    workload, spec = _stressful()
+    gc.collect()
+    gc.disable()
+    try:
+        result, log = run(workload, spec, policy, admission=admission)
+        alive = Counter(type(o) for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert result.requests == len(log) > 300 and result.rejections
+    assert result.failures or policy == "ripplemesh"  # it refuses what would fail
+    assert alive[core_module._RequestRun] == 0 and alive[worker_module.Seq] == 0
+
+
 @pytest.mark.parametrize("scenario", ["long-decodes", "stressful"])
 def test_steps_applied_as_arrays_change_nothing(monkeypatch: pytest.MonkeyPatch, scenario: str) -> None:
     """A chunk's steps applied with numpy (`_advance_arrays`) give the plain loop's result, bit

@@ -30,6 +30,7 @@ test that patches a policy module sees the simulator's decisions change.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import time
@@ -134,14 +135,12 @@ class _RequestRun:
         "arrival",
         "cached",
         "deadline_at",
-        "decode",
         "done",
         "first_token_at",
         "gpu_s",
         "index",
         "outcome",
         "placed",
-        "prefill",
         "queue_s",
         "reserved",
         "rid",
@@ -160,8 +159,6 @@ class _RequestRun:
         self.arrival = arrival
         self.deadline_at = arrival + spec.deadline_s if spec.deadline_s is not None else None
         self.first_token_at: float | None = None
-        self.prefill: Seq | None = None
-        self.decode: Seq | None = None
         self.workers: dict[Seq, SimWorker] = {}
         self.queue_s: float | None = None
         self.reserved: SimWorker | None = None  # a decode worker holding a place for the KV
@@ -411,6 +408,21 @@ class Simulator:
         self._pull_task()
         self._push(self.fleet.heartbeat_s, _HEARTBEAT, None)
         self._push(0.0, _AUTOSCALE, None)
+        # What exists now lives for the whole run and only grows (the workers' KV caches, whose
+        # LRU lists reach millions of entries): the cyclic GC's full passes would scan it again
+        # and again, more each time, though it never holds garbage. Frozen, they scan only what
+        # the run creates (requests, which end); refcounting still frees the frozen objects.
+        gc.freeze()
+        try:
+            self.events = self._loop()
+        finally:
+            gc.unfreeze()
+        if self.progress is not None:
+            self.progress(self.tasks_ended, self._total_hint)
+        return self._result(time.perf_counter() - started)
+
+    def _loop(self) -> int:
+        """Pop and handle events until none is left; returns how many."""
         heap = self._heap
         pop = heapq.heappop
         events = 0
@@ -447,10 +459,7 @@ class Simulator:
             elif kind == _ADMISSION:
                 if at == self._admission_tick_at:
                     self._admission_tick(at)
-        self.events = events
-        if self.progress is not None:
-            self.progress(self.tasks_ended, self._total_hint)
-        return self._result(time.perf_counter() - started)
+        return events
 
     # ------------------------------------------------------------ tasks and requests
 
@@ -522,7 +531,6 @@ class Simulator:
                 return
         req.upper_bound = self._upper_bound(spec)
         seq = Seq(rid, prompt, spec.block_hashes, output, req, kv_import=False)
-        req.prefill = seq
         req.placed = (prefill_worker.worker_id, decode_worker.worker_id)
         req.workers[seq] = prefill_worker
         self._touch(prefill_worker, now)
@@ -530,8 +538,6 @@ class Simulator:
         if decode_worker is not prefill_worker:
             decode_worker.reserved += 1
             req.reserved = decode_worker
-        else:
-            req.decode = seq
         self._kick(prefill_worker, now)
         if req.deadline_at is not None and self.options.abandon_past_deadline:
             # The event names the request; the request itself is let go of when it ends.
@@ -765,7 +771,6 @@ class Simulator:
         req.reserved = None
         decode_worker.reserved -= 1
         imported = Seq(req.rid, seq.prompt_len, seq.hashes, seq.max_tokens, req, kv_import=True)
-        req.decode = imported
         req.workers[imported] = decode_worker
         self._touch(decode_worker, now)
         decode_worker.submit_import(imported, now)

@@ -334,6 +334,7 @@ class BlockManager:
         # Each block once, at its last entry, in list order.
         last = list(dict.fromkeys(reversed(lru[head:] if head else lru)))
         last.reverse()
-        self._lru = list(compress(last, map(not_, map(self._refs.__getitem__, last))))
+        # In place: the list stays the one object (the simulator freezes it out of the GC's scans).
+        lru[:] = compress(last, map(not_, map(self._refs.__getitem__, last)))
         self._lru_head = 0
         self._stale.clear()
