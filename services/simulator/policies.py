@@ -115,16 +115,22 @@ class FleetPrefixView:
             if worker is None:
                 continue
             cached = worker.blocks._refs
-            if first not in cached:
+            # `_matched`, inlined (this loop visits every worker caching a shared first block),
+            # the last depth tried first: most workers here share the system prompt's depth, two
+            # lookups (the cache is prefix-closed: its block guess - 1 cached, so is the first).
+            if 0 < guess < n and block_hashes[guess - 1] in cached:
+                caching.append(worker_id)
+                if block_hashes[guess] not in cached:
+                    matched = guess
+                elif deepest in cached:
+                    matched = n
+                else:
+                    matched = _cached_prefix(cached, block_hashes)
+            elif first not in cached:
                 continue
-            caching.append(worker_id)
-            # `_matched`, inlined (this loop visits every worker caching a shared first block).
-            if deepest in cached:
-                matched = n
-            elif 0 < guess < n and block_hashes[guess - 1] in cached and block_hashes[guess] not in cached:
-                matched = guess
             else:
-                matched = _cached_prefix(cached, block_hashes, guess)
+                caching.append(worker_id)
+                matched = n if deepest in cached else _cached_prefix(cached, block_hashes)
             if not cached[block_hashes[matched - 1]] and worker.may_evict(now) and worker.advance(now):
                 matched = _cached_prefix(cached, block_hashes, guess)
             if matched:
