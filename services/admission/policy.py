@@ -119,6 +119,12 @@ class AdmissionLimits:
     # Margin kept before a deadline when no prediction is available (no live workers).
     deadline_margin_s: float = 0.05
 
+    @property
+    def controls_load(self) -> bool:
+        """Whether admission keeps the fleet at its capacity (deferring and shedding on its
+        saturation bounds), rather than enforcing quotas only or nothing."""
+        return self.control == "ripplemesh"
+
     def admit_below(self, priority: str, standing: int) -> float:
         bound = (
             self.critical_below

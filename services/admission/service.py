@@ -476,7 +476,7 @@ class AdmissionService:
         while len(self._own) > OWN_IDS_KEPT:
             self._own.popitem(last=False)
         self._recent_admitted.append(now)
-        if self.limits.control != "ripplemesh":
+        if not self.limits.controls_load:
             note_admitted(self.state)  # drain counts its own admissions
         await self.runtime.bus.publish(
             admitted_subject(request.priority),

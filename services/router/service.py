@@ -138,7 +138,7 @@ class RouterService:
         self.runtime = runtime
         self.state.config = RouterConfig(
             kv_transfer_usd_per_gb=runtime.config.kv_transfer_usd_per_gb,
-            admission_controls_load=runtime.config.admission.control == "ripplemesh",
+            admission_controls_load=runtime.config.admission.limits().controls_load,
         )
         self._shapes = {m.name: m.shape for m in runtime.config.models}
         self.kv_index = KvIndex(runtime.config.block_size)

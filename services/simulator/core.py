@@ -236,7 +236,7 @@ class Simulator:
         # router service reads it from the mesh config).
         self.router_state.config = replace(
             self.router_state.config,
-            admission_controls_load=self.admission_limits.control == "ripplemesh",
+            admission_controls_load=self.admission_limits.controls_load,
         )
         self.serving: dict[str, SimWorker] = {}  # workers that take (or finish) work
         self.all_workers: list[SimWorker] = []
