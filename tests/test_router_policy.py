@@ -175,12 +175,12 @@ def test_warm_weights() -> None:
 
 
 def test_tenant_priority() -> None:
-    # Two busy workers (KV 90% full): "fast" has no prefill backlog but costs three times as
+    # Two busy workers (KV 90% full): "fast" has no prefill backlog but costs four times as
     # much; "cheap" has a second of backlog. Critical traffic buys the speed; sheddable traffic
     # takes the cheap worker.
     def fleet() -> RouterState:
         busy = {"used": TOTAL * 9 // 10, "running": 64}
-        return state_of(view("fast", price=9.0, **busy), view("cheap", price=3.0, queued=30_000, **busy))
+        return state_of(view("fast", price=12.0, **busy), view("cheap", price=3.0, queued=30_000, **busy))
 
     assert decide(fleet(), request(priority="critical")).decode_worker == "fast"
     assert decide(fleet(), request(priority="sheddable")).decode_worker == "cheap"
@@ -201,6 +201,28 @@ def test_latency_budget() -> None:
     assert tight.decode_worker == "quick"
     assert tight.success_probability > 0.5
     assert tight.predicted_ttft_s < 1.0 < relaxed.predicted_ttft_s
+
+
+def test_the_requests_waiting_on_a_worker_decode_beside_a_new_one() -> None:
+    # "hidden" runs 4 decodes with 12 prompts (24,000 tokens) waiting; "open" runs 16 decodes
+    # holding as much KV. A request placed on "hidden" is prefilled after the 12 and then decodes
+    # in a batch of 17, as on "open": its predicted time per token is that batch's, not the
+    # small running batch's the heartbeat shows.
+    hidden = dataclasses.replace(view("hidden", running=4, queued=24_000), queue_depth=12)
+    opened = view("open", running=16)
+    req = request(prompt=256, output=400)
+    on_hidden = decide(state_of(hidden), req)
+    on_open = decide(state_of(opened), req)
+    per_token_hidden = (on_hidden.predicted_completion_s - on_hidden.predicted_ttft_s) / 399
+    per_token_open = (on_open.predicted_completion_s - on_open.predicted_ttft_s) / 399
+    assert per_token_hidden == pytest.approx(per_token_open, rel=0.1)
+    # The small running batch alone would have predicted a clearly faster decode.
+    small = decide(state_of(view("small", running=4)), req)
+    assert (small.predicted_completion_s - small.predicted_ttft_s) / 399 < 0.9 * per_token_open
+    # Of two otherwise idle workers with the same 16 requests on them, the one whose requests
+    # are already decoding takes the new one: on the other, it would wait behind 24,000 tokens
+    # of prefill and hold up the 16 while its own prompt is prefilled all the same.
+    assert decide(state_of(hidden, opened), request(prompt=8192, output=400)).decode_worker == "open"
 
 
 def test_an_unreachable_deadline_is_infeasible() -> None:
@@ -246,11 +268,11 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     def saturated() -> RouterState:
         return state_of(view("a", **busy), view("b", **busy))
 
-    new = place(saturated(), request(deadline_in=8.0, workflow_step=1, **task), FixedPrefix(), NOW)
+    new = place(saturated(), request(deadline_in=9.4, workflow_step=1, **task), FixedPrefix(), NOW)
     # Refused for the fleet's load, not the deadline: a capacity rejection, worth retrying later.
     assert isinstance(new, NoPlacement) and new.reason == "saturated", new
     assert "worth its cost" in new.message and "task's chance is 0.7" in new.message
-    last = decide(saturated(), request(deadline_in=8.0, workflow_step=4, workflow_spent_usd=0.002, **task))
+    last = decide(saturated(), request(deadline_in=9.4, workflow_step=4, workflow_spent_usd=0.002, **task))
     assert 0.9 < last.success_probability < 0.97
     idle = state_of(view("a", used=1000, running=30), view("b", used=1000, running=30))
     tried = decide(idle, request(deadline_in=5.4, workflow_step=1, **task))

@@ -607,6 +607,10 @@ class _Side:
     evicted_blocks: int
     decodes: int  # its running batch once this request joins
     context: float  # the batch's KV tokens once this request joins
+    # The requests the heartbeat reported waiting there, and their uncached prompt tokens: by the
+    # time this request's prefill runs (after theirs) they are decoding beside it.
+    waiting: int
+    waiting_tokens: float
     prefill_load: float  # the share of its compute new prompts are expected to take
     backlog_s: float  # prefill work queued ahead (seconds)
     utilisation: float  # how busy it is: the share of its price its GPU time costs the fleet
@@ -820,6 +824,8 @@ def _side(
         evicted,
         decodes + 1,
         context + prompt + max_tokens / 2.0,
+        worker.queue_depth,
+        queue_tokens,
         prefill_load,
         backlog_s,
         utilisation,
@@ -885,11 +891,14 @@ class _AsDecode:
 
 
 def _imposed_worth(state: RouterState, side: _Side, now: float) -> float:
-    """What a second of delay to the requests running on the side's worker is worth: known for
-    those this router placed, the standard class's worth for the others the worker reports."""
+    """What a second of delay to the requests decoding on the side's worker while this one runs
+    is worth: known for those this router placed, the standard class's worth for the others the
+    worker reports. They are the running batch and the requests waiting there (queued ahead,
+    they decode while this request is prefilled and decoded)."""
     tracked, tracked_worth = state.inflight(side.worker.worker_id, now)
     standard = state.config.latency_worth_usd_per_s.get("standard", 0.0)
-    return tracked_worth + max(0, side.decodes - 1 - tracked) * standard
+    beside = min(side.worker.speed.max_running, side.decodes - 1 + side.waiting)
+    return tracked_worth + max(0, beside - tracked) * standard
 
 
 def _as_prefill(
@@ -918,6 +927,11 @@ def _as_decode(state: RouterState, request: RouteRequest, side: _Side, now: floa
     # prompts queued when it starts adds its whole prefill time, up to a full chunk per step
     # (`_option`).
     step = speed.decode_step_seconds(side.decodes, side.context)
+    if side.waiting:
+        # The requests waiting there are prefilled before it, so it decodes in their batch too.
+        step = speed.decode_step_seconds(
+            min(speed.max_running, side.decodes + side.waiting), side.context + side.waiting_tokens
+        )
     chunk = max(1, speed.max_batch_tokens - side.decodes)
     rho = min(MAX_PREFILL_LOAD, side.prefill_load)
     # The request's share of its decode steps, as the ledger charges it: the weights' read and
