@@ -607,8 +607,9 @@ class _Side:
     evicted_blocks: int
     decodes: int  # its running batch once this request joins
     context: float  # the batch's KV tokens once this request joins
-    # The requests the heartbeat reported waiting there, and their uncached prompt tokens: by the
-    # time this request's prefill runs (after theirs) they are decoding beside it.
+    # The requests the heartbeat reported waiting there: by the time this request's prefill runs
+    # (after theirs) they are decoding beside it. And the prompt tokens still to prefill there
+    # (`backlog_tokens`), which their KV then holds.
     waiting: int
     waiting_tokens: float
     prefill_load: float  # the share of its compute new prompts are expected to take
