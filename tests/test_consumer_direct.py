@@ -92,7 +92,10 @@ async def test_direct_handler_runs_once_and_the_stored_copy_is_acked(bus: Bus, s
         await _drained(bus, spec.name)
         await asyncio.sleep(0.3)
         assert sorted(e for e, _ in handled) == sorted(e.event_id for e in events)
-        assert all(seq == 0 for _, seq in handled)  # every one taken directly
+        # Taken directly (no stream sequence), bar the odd one a loaded machine sends down the
+        # stored path (its stored copy handled first, which the design allows: the direct copy
+        # is then left to it, and each event still runs once, above). CI saw one such run.
+        assert sum(seq == 0 for _, seq in handled) >= 15
     finally:
         await consumer.stop()
 
