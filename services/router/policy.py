@@ -927,12 +927,12 @@ def _as_decode(state: RouterState, request: RouteRequest, side: _Side, now: floa
     # share rho of the worker's compute, the decode steps stretch by 1 / (1 - rho); a backlog of
     # prompts queued when it starts adds its whole prefill time, up to a full chunk per step
     # (`_option`).
-    step = speed.decode_step_seconds(side.decodes, side.context)
+    batch, context = side.decodes, side.context
     if side.waiting:
         # The requests waiting there are prefilled before it, so it decodes in their batch too.
-        step = speed.decode_step_seconds(
-            min(speed.max_running, side.decodes + side.waiting), side.context + side.waiting_tokens
-        )
+        batch = min(speed.max_running, batch + side.waiting)
+        context += side.waiting_tokens
+    step = speed.decode_step_seconds(batch, context)
     chunk = max(1, speed.max_batch_tokens - side.decodes)
     rho = min(MAX_PREFILL_LOAD, side.prefill_load)
     # The request's share of its decode steps, as the ledger charges it: the weights' read and
