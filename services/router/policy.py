@@ -11,7 +11,8 @@ prefill worker handing its KV to a decode worker, disaggregated) it predicts, fr
 - KV cache state: the prefix the worker already caches (`PrefixView`), so only the uncached part
   is prefilled (and, disaggregated, only the blocks the decode worker lacks travel);
 - warm weights: the model and adapter loaded, or the load time and its cost;
-- tenant priority: what a second of latency is worth for the request's class (`RouterConfig`);
+- tenant priority: what a second of the request's latency (to its first token; for a
+  workflow's step, to its last) is worth for its class (`RouterConfig`);
 - latency budget: predicted TTFT (queue + uncached prefill + cold load) and completion time
   (TTFT + KV transfer + decode at the worker's predicted time per token) against the deadline,
   as a probability of meeting it;
@@ -174,9 +175,10 @@ class RouterConfig:
     """What the objective weighs that is the operator's call, not the workers' state."""
 
     kv_transfer_usd_per_gb: float = 0.01  # the ledger's price of KV moved between workers
-    # What a second of a request's completion time (arrival to last token) is worth, in US$, per
-    # priority class, against GPU time (an H100 at $3/h costs $0.00083/s). Critical traffic buys
-    # speed; sheddable traffic is placed mostly for cost.
+    # What a second of a request's latency (to its first token; for a workflow's step, to its
+    # last, which the next step waits for) is worth, in US$, per priority class, against GPU
+    # time (an H100 at $3/h costs $0.00083/s). Critical traffic buys speed; sheddable traffic is
+    # placed mostly for cost.
     latency_worth_usd_per_s: Mapping[str, float] = field(
         default_factory=lambda: {"critical": 0.002, "standard": 0.0005, "sheddable": 0.0001}
     )
@@ -1024,7 +1026,11 @@ def _option(
     else:
         imposed_usd = 0.0 + outputs * as_decode.per_step_s * as_decode.imposed_worth
         imposed_usd += prefill.added_prefill_s * as_prefill.imposed_worth
-    worth = config.latency_worth_usd_per_s.get(request.priority, 0.0) * ttft + imposed_usd
+    # The request's own latency, at its class's worth of a second: to its first token, or for a
+    # workflow's step to its last, which the next step waits for (the first token alone made a
+    # step on a batch decoding at 80 ms a token look as good as one on a batch at 20 ms).
+    waited = completion if (request.workflow_steps or 1) > 1 else ttft
+    worth = config.latency_worth_usd_per_s.get(request.priority, 0.0) * waited + imposed_usd
     sunk = request.workflow_spent_usd
     score = (marginal + worth + sunk) / probability if probability > 1e-12 else math.inf
     return _Option(
