@@ -225,6 +225,30 @@ def test_the_requests_waiting_on_a_worker_decode_beside_a_new_one() -> None:
     assert decide(state_of(hidden, opened), request(prompt=8192, output=400)).decode_worker == "open"
 
 
+def test_a_workflow_step_is_worth_its_whole_answer_not_only_its_first_token() -> None:
+    # "crowded" holds the request's 3,000-token prefix but decodes 250 sequences (a step of
+    # about 47 ms); "roomy" has nothing cached and decodes 70 (about 18 ms). On "crowded" the
+    # first token comes sooner, on "roomy" the last one comes far sooner. A workflow's next step
+    # waits for the last token, so a step with a long answer goes to "roomy"; a one-token answer
+    # (all first token) stays with the cache, and so does a lone request, whose latency is its
+    # time to first token.
+    def fleet() -> RouterState:
+        return state_of(
+            view("crowded", gpu="H200", running=250, used=TOTAL // 3, context=250 * 4500),
+            view("roomy", gpu="H200", running=70, used=TOTAL // 5, context=70 * 4500),
+        )
+
+    cached = FixedPrefix({"crowded": 3000 // BLOCK})
+    step = {"workflow_id": "w", "workflow_step": 2, "workflow_steps": 4}
+    long_answer = decide(fleet(), request(prompt=4000, output=250, **step), cached)
+    assert long_answer.decode_worker == "roomy"
+    on_crowded = next(r for r in long_answer.runners_up if r.decode_worker == "crowded")
+    assert on_crowded.ttft_s < long_answer.predicted_ttft_s
+    assert long_answer.predicted_completion_s < 0.5 * on_crowded.completion_s
+    assert decide(fleet(), request(prompt=4000, output=1, **step), cached).decode_worker == "crowded"
+    assert decide(fleet(), request(prompt=4000, output=250), cached).decode_worker == "crowded"
+
+
 def test_an_unreachable_deadline_is_infeasible() -> None:
     # (The hopeless floor alone: the refusal of what is not worth its cost is off.)
     backlog = {"queued": 2_000_000, "running": 50, "used": TOTAL // 2}
@@ -502,27 +526,3 @@ def test_the_kv_index_and_a_plain_mapping_of_the_same_match_place_alike() -> Non
             block_hashes=blocks,
         )
         assert place(lazy, req, index, NOW) == place(whole, req, WholeMapping(), NOW)
-
-
-def test_a_workflow_step_is_worth_its_whole_answer_not_only_its_first_token() -> None:
-    # "crowded" holds the request's 3,000-token prefix but decodes 250 sequences (a step of
-    # about 47 ms); "roomy" has nothing cached and decodes 70 (about 18 ms). On "crowded" the
-    # first token comes sooner, on "roomy" the last one comes far sooner. A workflow's next step
-    # waits for the last token, so a step with a long answer goes to "roomy"; a one-token answer
-    # (all first token) stays with the cache, and so does a lone request, whose latency is its
-    # time to first token.
-    def fleet() -> RouterState:
-        return state_of(
-            view("crowded", gpu="H200", running=250, used=TOTAL // 3, context=250 * 4500),
-            view("roomy", gpu="H200", running=70, used=TOTAL // 5, context=70 * 4500),
-        )
-
-    cached = FixedPrefix({"crowded": 3000 // BLOCK})
-    step = {"workflow_id": "w", "workflow_step": 2, "workflow_steps": 4}
-    long_answer = decide(fleet(), request(prompt=4000, output=250, **step), cached)
-    assert long_answer.decode_worker == "roomy"
-    on_crowded = next(r for r in long_answer.runners_up if r.decode_worker == "crowded")
-    assert on_crowded.ttft_s < long_answer.predicted_ttft_s
-    assert long_answer.predicted_completion_s < 0.5 * on_crowded.completion_s
-    assert decide(fleet(), request(prompt=4000, output=1, **step), cached).decode_worker == "crowded"
-    assert decide(fleet(), request(prompt=4000, output=250), cached).decode_worker == "crowded"

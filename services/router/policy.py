@@ -478,6 +478,11 @@ class RouteRequest:
     workflow_spent_usd: float = 0.0  # what the workflow's earlier steps already cost
     adapter: str | None = None
 
+    @property
+    def in_workflow(self) -> bool:
+        """A step of a workflow of two or more steps (a later step waits for this one)."""
+        return (self.workflow_steps or 1) > 1
+
 
 @dataclass(frozen=True, slots=True)
 class ScoredOption:
@@ -1029,7 +1034,7 @@ def _option(
     # The request's own latency, at its class's worth of a second: to its first token, or for a
     # workflow's step to its last, which the next step waits for (the first token alone made a
     # step on a batch decoding at 80 ms a token look as good as one on a batch at 20 ms).
-    waited = completion if (request.workflow_steps or 1) > 1 else ttft
+    waited = completion if request.in_workflow else ttft
     worth = config.latency_worth_usd_per_s.get(request.priority, 0.0) * waited + imposed_usd
     sunk = request.workflow_spent_usd
     score = (marginal + worth + sunk) / probability if probability > 1e-12 else math.inf
@@ -1255,7 +1260,7 @@ def _overloaded(config: RouterConfig, request: RouteRequest, options: list[_Opti
     """A new workflow (its first step) would decode slower than `new_task_max_tpot_s` a token."""
     if config.new_task_max_tpot_s is None or (request.workflow_step or 1) > 1:
         return False
-    if request.workflow_steps is None or request.workflow_steps < 2:
+    if not request.in_workflow:
         return False
     return min(o.tpot_s for o in options) > config.new_task_max_tpot_s
 
