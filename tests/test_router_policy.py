@@ -340,36 +340,32 @@ def test_with_the_gate_set_no_new_workflow_while_the_decode_batches_are_past_the
     decide(busy(None), request(workflow_step=1, **task))
 
 
-def test_where_admission_does_not_control_the_load_the_dearest_new_tasks_are_refused_first() -> None:
-    # Both workers' decode batches are at their limit: the fleet is past keeping up. Where
-    # admission only enforces quotas (or nothing), the router is what sheds, and it sheds the
-    # dearest new tasks: after a 2-step task (the typical one so far), a new 8-step task with
-    # the same first step would take four times the fleet's time for the same success: refused
-    # as saturated (worth retrying later). Another 2-step task, a later step of a running
-    # workflow and, behind the project's admission (which sheds on its own), the 8-step task
-    # still go.
+def test_on_a_fleet_past_keeping_up_the_dearest_new_tasks_are_refused_first() -> None:
+    # Both workers' decode batches are at their limit: the fleet is past keeping up, and the
+    # router sheds the dearest new tasks: after a 2-step task (the typical one so far), a new
+    # 8-step task with the same first step would take four times the fleet's time for the same
+    # success: refused as saturated (worth retrying later). Another 2-step task and a later step
+    # of a running workflow still go; with the rule off, the 8-step task goes too.
     full = {"used": TOTAL // 2, "running": H100.max_running, "context": H100.max_running * 1000}
     easy = {"output": 200, "deadline_in": 600.0, "workflow_step": 1}
 
-    def fleet(admission_controls_load: bool) -> RouterState:
-        state = state_of(view("a", **full), view("b", **full))
-        state.config = dataclasses.replace(state.config, admission_controls_load=admission_controls_load)
-        return state
+    def fleet() -> RouterState:
+        return state_of(view("a", **full), view("b", **full))
 
-    quotas_only = fleet(False)
-    decide(quotas_only, request("short-1", workflow_id="w1", workflow_steps=2, **easy))
-    dear = place(quotas_only, request("long", workflow_id="w2", workflow_steps=8, **easy), FixedPrefix(), NOW)
+    past = fleet()
+    decide(past, request("short-1", workflow_id="w1", workflow_steps=2, **easy))
+    dear = place(past, request("long", workflow_id="w2", workflow_steps=8, **easy), FixedPrefix(), NOW)
     assert isinstance(dear, NoPlacement) and dear.reason == "saturated", dear
     assert "among the dearest" in dear.message
-    decide(quotas_only, request("short-2", workflow_id="w3", workflow_steps=2, **easy))
+    decide(past, request("short-2", workflow_id="w3", workflow_steps=2, **easy))
     later = {**easy, "workflow_step": 2, "workflow_spent_usd": 0.001}
-    decide(quotas_only, request("long-2", workflow_id="w2", workflow_steps=8, **later))
-    controlled = fleet(True)
-    decide(controlled, request("short-1", workflow_id="w1", workflow_steps=2, **easy))
-    decide(controlled, request("long", workflow_id="w2", workflow_steps=8, **easy))
+    decide(past, request("long-2", workflow_id="w2", workflow_steps=8, **later))
+    off = fleet()
+    off.config = dataclasses.replace(off.config, dearest_task_factor=None)
+    decide(off, request("short-1", workflow_id="w1", workflow_steps=2, **easy))
+    decide(off, request("long", workflow_id="w2", workflow_steps=8, **easy))
     # A fleet that keeps up (short batches, nothing refused lately) takes the dear task too.
     calm = state_of(view("a", running=20), view("b", running=20))
-    calm.config = quotas_only.config
     decide(calm, request("short-1", workflow_id="w1", workflow_steps=2, **easy))
     decide(calm, request("long", workflow_id="w2", workflow_steps=8, **easy))
 

@@ -208,21 +208,18 @@ class RouterConfig:
     # behind the project's admission, which defers new workflows on its own saturation bounds,
     # it refuses first steps admission has just let through (9-15% dearer; docs/router.md).
     new_task_max_tpot_s: float | None = None
-    # Where admission does not keep the fleet at its capacity (`admission_controls_load` False:
-    # quotas only, or none), the router is what sheds under overload, and it sheds the dearest
-    # new tasks first (`_dearest`): a task's first step is refused as saturated when what its
-    # steps take from the fleet is above `dearest_task_factor` x the typical new task's price x
-    # its chance of success, while the fleet is past keeping up (more than `dearest_gate` of
-    # recent first steps refused as not worth their cost, or the decode batch full). With the
-    # fleet's spend fixed, the GPU time goes to the tasks that take the least of it (agentic x20
-    # under rate_limit: 25-28% under the best baseline, two seeds; docs/router.md). Behind the
-    # project's admission, which defers and sheds new work on its own saturation bounds, it
-    # would refuse tasks the fleet would have served, so it is off there. None: off.
+    # Under overload the router sheds the dearest new tasks first (`_dearest`): a task's first
+    # step is refused as saturated when what its steps take from the fleet is above
+    # `dearest_task_factor` x the typical new task's price x its chance of success, while the
+    # fleet is past keeping up (more than `dearest_gate` of recent first steps refused as not
+    # worth their cost, or the decode batch full). With the fleet's spend fixed, the GPU time
+    # goes to the tasks that take the least of it. Where admission only enforces quotas it is
+    # the only shedding (agentic x20 under rate_limit: 27-33% under the best baseline, five
+    # seeds); behind the project's admission, which sheds by priority and saturation, it still
+    # picks among the tasks admission lets through (agentic x10 and x20: 2.6 and 3.5 points
+    # cheaper than without it, five seeds; docs/router.md). None: off.
     dearest_task_factor: float | None = 1.0
     dearest_gate: float = 0.005
-    # Whether admission keeps the fleet at its capacity (the project's admission, control
-    # "ripplemesh"); the router service sets it from the mesh config, the simulator from its run.
-    admission_controls_load: bool = True
     # The chance that a cached block the request evicts would have been reused (its re-prefill
     # is then charged to this placement).
     evicted_reuse_probability: float = 0.25
@@ -1268,10 +1265,10 @@ def _overloaded(config: RouterConfig, request: RouteRequest, options: list[_Opti
 def _dearest(
     state: RouterState, request: RouteRequest, options: list[_Option], refused: NoPlacement | None
 ) -> NoPlacement | None:
-    """A new task's first step, where admission does not control the load: `refused` (`_refuse`'s
-    answer), or a refusal of a task dearer than the typical one against its chance, once the
-    fleet is past keeping up. On an overloaded fleet, whose spend is fixed, cost per successful
-    task falls when its GPU time goes to the tasks that take the least of it.
+    """A new task's first step: `refused` (`_refuse`'s answer), or a refusal of a task dearer
+    than the typical one against its chance, once the fleet is past keeping up. On an
+    overloaded fleet, whose spend is fixed, cost per successful task falls when its GPU time
+    goes to the tasks that take the least of it.
 
     A step takes from the fleet its best option's marginal cost (GPU time at the workers'
     utilisation, KV held), and at least its charged cost times how full the decode batch it
@@ -1282,7 +1279,7 @@ def _dearest(
     the fleet is past keeping up: more than `dearest_gate` of recent first steps refused as not
     worth their cost, or the best option's decode batch full."""
     config = state.config
-    if config.dearest_task_factor is None or config.admission_controls_load:
+    if config.dearest_task_factor is None:
         return refused
     steps = max(1, request.workflow_steps or 1)
     best = min(options, key=lambda o: o.score)

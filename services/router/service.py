@@ -136,10 +136,7 @@ class RouterService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.state.config = RouterConfig(
-            kv_transfer_usd_per_gb=runtime.config.kv_transfer_usd_per_gb,
-            admission_controls_load=runtime.config.admission.limits().controls_load,
-        )
+        self.state.config = RouterConfig(kv_transfer_usd_per_gb=runtime.config.kv_transfer_usd_per_gb)
         self._shapes = {m.name: m.shape for m in runtime.config.models}
         self.kv_index = KvIndex(runtime.config.block_size)
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)

@@ -35,7 +35,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from schemas.events import WorkflowSpend
@@ -232,12 +232,6 @@ class Simulator:
         self.by_tenant: dict[str, _TenantFigures] = {}
         self.slo_by_priority: dict[str, list[int]] = {}  # priority -> [met, issued]
         self.router_state = RouterState()
-        # Whether admission keeps the fleet at its capacity, for the router's refusals (as the
-        # router service reads it from the mesh config).
-        self.router_state.config = replace(
-            self.router_state.config,
-            admission_controls_load=self.admission_limits.controls_load,
-        )
         self.serving: dict[str, SimWorker] = {}  # workers that take (or finish) work
         self.all_workers: list[SimWorker] = []
         self.starting: dict[str, SimWorker] = {}
