@@ -197,8 +197,11 @@ KV_OBJECTS_BUCKET = "RMESH_KV"
 KV_OBJECTS_TTL_S = 600.0
 
 INGRESS_CONSUMER = ConsumerSpec(durable="ingress", stream="REQUESTS", filter_subject=f"{PREFIX}.req.*")
+# A deferred request holds its message until admission decides it, so the replicas' deferral
+# queues together (AdmissionLimits.max_deferred, 4,096 each, plus the requests in hand) must fit
+# under max_ack_pending, or the server stops delivering new requests to any replica.
 ADMISSION_CONSUMER = ConsumerSpec(
-    durable="admission", stream="REQUESTS", filter_subject=f"{PREFIX}.prepared.*"
+    durable="admission", stream="REQUESTS", filter_subject=f"{PREFIX}.prepared.*", max_ack_pending=16384
 )
 ROUTER_CONSUMER = ConsumerSpec(durable="router", stream="ADMITTED", filter_subject=f"{PREFIX}.admitted.*")
 LEDGER_CONSUMER = ConsumerSpec(

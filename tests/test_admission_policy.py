@@ -437,6 +437,26 @@ def test_without_a_deadline_a_wait_is_bounded_by_max_defer() -> None:
     assert isinstance(outcome.decision, Reject) and outcome.decision.reason == "capacity"
 
 
+def test_a_request_with_a_deadline_waits_past_max_defer_while_its_deadline_can_be_met() -> None:
+    # A sheddable step with five minutes to spare, deferred behind a burst: it is not turned away
+    # when max_defer_s runs out, and it is served once the fleet has room.
+    state = saturated_state()
+
+    def predict(r: AdmissionRequest) -> Prediction:
+        return Prediction(ttft_s=0.5, finish_s=4.0)
+
+    patient = request(priority="sheddable", deadline_s=300.0)
+    deferred = decide(state, request=patient, quota=OPEN, limits=LIMITS, now=0.0, predict=predict)
+    assert isinstance(deferred, Defer) and deferred.due == pytest.approx(296.0)
+    assert deferred.due > LIMITS.max_defer_s
+    drain(state, LIMITS, 3 * LIMITS.max_defer_s, predict)
+    assert take_outcomes(state) == [] and patient.request_id in state.deferred
+    free_one_slot(state)
+    drain(state, LIMITS, 3 * LIMITS.max_defer_s, predict)
+    (outcome,) = take_outcomes(state)
+    assert isinstance(outcome.decision, Admit) and outcome.decision.waited_s == 3 * LIMITS.max_defer_s
+
+
 def test_no_live_worker_ends_a_wait_with_no_workers() -> None:
     state = AdmissionState()
     observe_fleet(state, fleet(workers=0))

@@ -24,8 +24,9 @@ For every request, in this order:
    Each class has its own saturation bound (sheddable the lowest), and a new workflow's first step
    a slightly lower one than a continuation, so under pressure the fleet sheds from the bottom up.
    The queue is bounded in entries and bytes: when full, the lowest-ranked entry (the new request
-   included) is rejected (`capacity`, HTTP 503). A deferred request is decided before it is
-   `due`: before the time its deadline stops being reachable, and never after `max_defer_s`.
+   included) is rejected (`capacity`, HTTP 503). A deferred request is decided by its `due`:
+   the time its deadline stops being reachable, or, without a deadline, `max_defer_s` after it
+   came.
 
 Saturation is computed from the workers' heartbeats (KV usage, queue depth), corrected by the
 admissions and completions heard since, and from the router's predicted wait for the request.
@@ -98,9 +99,12 @@ class AdmissionLimits:
     max_priority_level: int = 100
     # A deadline further than this from submission is a client error, not a wish.
     max_deadline_s: float = 24 * 3600.0
-    # The deferral queue (per replica).
-    max_deferred: int = 512
+    # The deferral queue (per replica). Entries are small (the bytes bound holds its memory);
+    # the entry bound is set for a burst of a few thousand requests held while the fleet drains.
+    max_deferred: int = 4096
     max_deferred_bytes: int = 64 * 1024 * 1024
+    # The longest wait of a request without a deadline (one with a deadline waits while the
+    # deadline can still be met: `_due_at`).
     max_defer_s: float = 30.0
     # Saturation (1.0: the fleet at its target load) below which each class is admitted; a new
     # workflow's first step needs `new_workflow_factor` times its class's bound.
@@ -783,13 +787,14 @@ def _enqueue(
 def _due_at(
     request: AdmissionRequest, limits: AdmissionLimits, now: float, prediction: Prediction | None
 ) -> tuple[float, bool]:
-    """When a deferred request must be decided by, and whether its deadline sets that."""
-    due = now + limits.max_defer_s
+    """When a deferred request must be decided by, and whether its deadline sets that. A deadline
+    is the client's own word on how long it will wait: a request carrying one waits while the
+    deadline can still be met (a sheddable step with minutes to spare is served once a burst
+    has passed, not turned away when a fixed wait runs out); one without waits `max_defer_s`."""
     if request.deadline_at is not None:
         margin = prediction.finish_s if prediction is not None else limits.deadline_margin_s
-        if request.deadline_at - margin < due:
-            return request.deadline_at - margin, True
-    return due, False
+        return request.deadline_at - margin, True
+    return now + limits.max_defer_s, False
 
 
 def _remove(state: AdmissionState, entry: _Entry) -> None:
