@@ -216,8 +216,9 @@ class RouterConfig:
     # goes to the tasks that take the least of it. Where admission only enforces quotas it is
     # the only shedding (agentic x20 under rate_limit: 27-33% under the best baseline, five
     # seeds); behind the project's admission, which sheds by priority and saturation, it still
-    # picks among the tasks admission lets through (agentic x10 and x20, five seeds: 4.9% and
-    # 9.1% under the best baseline, against 2.2% and 5.6% without it; docs/router.md). None: off.
+    # picks among the tasks admission lets through (agentic x10 and x20, five seeds: 2.4% and
+    # 8.3% under the best baseline; with it off, 1.2-5.0% dearer in all ten runs; docs/router.md).
+    # None: off.
     dearest_task_factor: float | None = 1.0
     dearest_gate: float = 0.005
     # The chance that a cached block the request evicts would have been reused (its re-prefill
