@@ -77,6 +77,10 @@ def test_under_overload_admission_protects_critical_traffic_and_cuts_waste(
     # objective less often.
     tenants = admitted.tenants
     assert tenants["batch"]["slo_attainment"] < tenants["assistant"]["slo_attainment"]
+    # Every step here has a deadline, and the default queue holds the burst: admission turns
+    # nothing away for capacity; a deferred step is served, or rejected when its deadline can no
+    # longer be met.
+    assert "admission:capacity" not in admitted.rejections and "admission:deadline" in admitted.rejections
 
 
 def test_under_overload_the_router_sheds_the_dearest_new_tasks_and_a_success_costs_less(
