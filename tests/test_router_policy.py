@@ -370,6 +370,25 @@ def test_on_a_fleet_past_keeping_up_the_dearest_new_tasks_are_refused_first() ->
     decide(calm, request("long", workflow_id="w2", workflow_steps=8, **easy))
 
 
+def test_past_keeping_up_a_critical_task_is_shed_only_at_a_dearer_bar() -> None:
+    # The dearest-task rule weighs cost alone; the critical class's bar is 1.5 x the others'.
+    # After a typical 4-step task, a 5-step task (a quarter dearer) is placed when it is
+    # critical and refused as saturated when it is standard; a 7-step critical task, dearer
+    # than its bar, is refused too.
+    full = {"used": TOTAL // 2, "running": H100.max_running, "context": H100.max_running * 1000}
+    easy = {"output": 200, "deadline_in": 600.0, "workflow_step": 1}
+    past = state_of(view("a", **full), view("b", **full))
+    decide(past, request("typical", workflow_id="w1", workflow_steps=4, **easy))
+    decide(past, request("critical", workflow_id="w2", workflow_steps=5, priority="critical", **easy))
+    standard = place(
+        past, request("standard", workflow_id="w3", workflow_steps=5, **easy), FixedPrefix(), NOW
+    )
+    assert isinstance(standard, NoPlacement) and standard.reason == "saturated", standard
+    dearer = request("dearer", workflow_id="w4", workflow_steps=7, priority="critical", **easy)
+    refused = place(past, dearer, FixedPrefix(), NOW)
+    assert isinstance(refused, NoPlacement) and "x 1.5 for its class" in refused.message, refused
+
+
 def test_workflow_sunk_cost_and_prefix() -> None:
     # "risky" is cheap with a backlog that makes a 6 s deadline a coin toss; "safe" is dear
     # and idle. A first step with nothing spent takes the cheap gamble; the last step of a

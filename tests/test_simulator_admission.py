@@ -97,12 +97,30 @@ def test_under_overload_the_router_sheds_the_dearest_new_tasks_and_a_success_cos
         "rate_limit": run_simulation(overload(), FLEET, admission="rate_limit", request_log=log.append),
         "ripplemesh": run_simulation(overload(), FLEET, admission="ripplemesh"),
     }
-    refused = [
-        steps[r.request_id.rsplit("-", 1)[0]]
-        for r in log
-        if r.outcome == "router:saturated" and r.request_id.endswith("-1")
-    ]
-    assert len(refused) > 20 and sum(refused) / len(refused) > sum(steps.values()) / len(steps) + 1
+    # The rule's bar is the same for the standard and sheddable classes, and 1.5 x dearer for
+    # the critical one: among the first two, the refused tasks are the long ones; with one bar
+    # for all, more critical tasks are refused.
+    priority = {t.name: t.priority for t in overload().tenants_spec}
+
+    def refused_first_steps(records: list[RequestRecord], critical: bool) -> tuple[list[int], list[int]]:
+        """The steps of the class's new tasks the router refused as saturated, and of all tried."""
+        refused, tried = [], []
+        for record in records:
+            if record.request_id.endswith("-1") and (priority[record.tenant] == "critical") == critical:
+                task_steps = steps[record.request_id.rsplit("-", 1)[0]]
+                tried.append(task_steps)
+                if record.outcome == "router:saturated":
+                    refused.append(task_steps)
+        return refused, tried
+
+    others, others_tried = refused_first_steps(log, critical=False)
+    assert len(others) > 20 and sum(others) / len(others) > sum(others_tried) / len(others_tried) + 1
+    one_bar = RouterConfig(dearest_priority_factor={})
+    monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=one_bar))
+    one_bar_log: list[RequestRecord] = []
+    run_simulation(overload(), FLEET, admission="rate_limit", request_log=one_bar_log.append)
+    critical_refused = len(refused_first_steps(log, critical=True)[0])
+    assert critical_refused < len(refused_first_steps(one_bar_log, critical=True)[0])
     off = RouterConfig(dearest_task_factor=None)
     monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=off))
     for admission, bound in (("rate_limit", 0.95), ("ripplemesh", 0.98)):

@@ -221,6 +221,11 @@ class RouterConfig:
     # None: off.
     dearest_task_factor: float | None = 1.0
     dearest_gate: float = 0.005
+    # A class's bar in that rule: `dearest_task_factor` x this (1 where absent). The rule weighs
+    # cost alone; a higher bar keeps more of the operator's most valued class (agentic x20
+    # behind the project's admission, five seeds: 3,627 critical tasks succeed against 3,455
+    # with one bar for all; docs/router.md).
+    dearest_priority_factor: Mapping[str, float] = field(default_factory=lambda: {"critical": 1.5})
     # The chance that a cached block the request evicts would have been reused (its re-prefill
     # is then charged to this placement).
     evicted_reuse_probability: float = 0.25
@@ -1276,8 +1281,8 @@ def _dearest(
     joins is (a batch at its limit is saturated however much KV and prefill it has to spare:
     each new sequence takes a slot other work would take). A typical new task costs
     `_NewTasks.price_usd` (steps x the best option's charged cost, a decaying average). Refused
-    when steps x taken > `dearest_task_factor` x typical x the task's chance of success, while
-    the fleet is past keeping up: more than `dearest_gate` of recent first steps refused as not
+    when steps x taken > `dearest_task_factor` x its class's `dearest_priority_factor` x
+    typical x the task's chance of success, while the fleet is past keeping up: more than `dearest_gate` of recent first steps refused as not
     worth their cost, or the best option's decode batch full."""
     config = state.config
     if config.dearest_task_factor is None:
@@ -1300,7 +1305,8 @@ def _dearest(
     occupancy = min(1.0, decode.decodes / limit_running) if limit_running > 0 else 1.0
     taken = steps * max(best.marginal_usd, occupancy * best.cost_usd)
     chance = max(o.probability for o in options) ** steps
-    limit = config.dearest_task_factor * seen.price_usd * chance
+    bar = config.dearest_task_factor * config.dearest_priority_factor.get(request.priority, 1.0)
+    limit = bar * seen.price_usd * chance
     if taken <= limit:
         return None
     return NoPlacement(
@@ -1308,7 +1314,7 @@ def _dearest(
         f"the fleet is past keeping up ({seen.refused:.1%} of recent new tasks were not worth "
         f"their cost; decode batch {decode.decodes - 1}/{limit_running}) and this task is among "
         f"the dearest: its {steps} step(s) would take ${taken:.6f} of the fleet's time, against "
-        f"${limit:.6f} for a typical task at its chance ({chance:.3f})",
+        f"${limit:.6f} for a typical task at its chance ({chance:.3f}), x {bar:g} for its class",
     )
 
 
