@@ -217,8 +217,8 @@ class RouterConfig:
     # the only shedding (agentic x20 under rate_limit: 27-33% under the best baseline, five
     # seeds); behind the project's admission, which sheds by priority and saturation, it still
     # picks among the tasks admission lets through (agentic x10 and x20, five seeds: 2.4% and
-    # 8.3% under the best baseline; with it off, 1.2-5.0% dearer in all ten runs; docs/router.md).
-    # None: off.
+    # 7.4% under the best baseline; with it off, 1.2-5.0% dearer than with one bar for all
+    # classes, in all ten runs; docs/router.md). None: off.
     dearest_task_factor: float | None = 1.0
     dearest_gate: float = 0.005
     # A class's bar in that rule: `dearest_task_factor` x this (1 where absent). The rule weighs
@@ -1282,8 +1282,9 @@ def _dearest(
     each new sequence takes a slot other work would take). A typical new task costs
     `_NewTasks.price_usd` (steps x the best option's charged cost, a decaying average). Refused
     when steps x taken > `dearest_task_factor` x its class's `dearest_priority_factor` x
-    typical x the task's chance of success, while the fleet is past keeping up: more than `dearest_gate` of recent first steps refused as not
-    worth their cost, or the best option's decode batch full."""
+    typical x the task's chance of success, while the fleet is past keeping up: more than
+    `dearest_gate` of recent first steps refused as not worth their cost, or the best option's
+    decode batch full."""
     config = state.config
     if config.dearest_task_factor is None:
         return refused
