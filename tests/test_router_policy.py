@@ -292,14 +292,14 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     def saturated() -> RouterState:
         return state_of(view("a", **busy), view("b", **busy))
 
-    new = place(saturated(), request(deadline_in=9.4, workflow_step=1, **task), FixedPrefix(), NOW)
+    new = place(saturated(), request(deadline_in=10.4, workflow_step=1, **task), FixedPrefix(), NOW)
     # Refused for the fleet's load, not the deadline: a capacity rejection, worth retrying later.
     assert isinstance(new, NoPlacement) and new.reason == "saturated", new
     assert "worth its cost" in new.message and "task's chance is 0.7" in new.message
-    last = decide(saturated(), request(deadline_in=9.4, workflow_step=4, workflow_spent_usd=0.002, **task))
+    last = decide(saturated(), request(deadline_in=10.4, workflow_step=4, workflow_spent_usd=0.002, **task))
     assert 0.9 < last.success_probability < 0.97
     idle = state_of(view("a", used=1000, running=30), view("b", used=1000, running=30))
-    tried = decide(idle, request(deadline_in=5.4, workflow_step=1, **task))
+    tried = decide(idle, request(deadline_in=6.0, workflow_step=1, **task))
     assert 0.9 < tried.success_probability < 0.97
     # A sure first step still goes to the saturated fleet (worth_probability under 1): refusing
     # every new task there would also keep an autoscaled fleet from seeing the load that grows it.
