@@ -193,7 +193,7 @@ class RouterConfig:
     # takes a median 0.75 of that) and the refusals read the chance, so a wider spread gives a
     # step predicted near its deadline the better odds it has. 0.4 against 0.3, over the 64
     # agentic and Mooncake runs: the cheapest in 49 either way, the SLO at least the best
-    # baseline's in 57 against 54 (0.5: agentic x20 SLO short at two seeds; docs/router.md).
+    # baseline's in 57 against 54 (0.45, 0.5: agentic x20 SLO short at 2 seeds; docs/router.md).
     relative_error: float = 0.4
     absolute_error_s: float = 0.25
     # No option gives the task at least this chance of meeting its deadlines: infeasible.
