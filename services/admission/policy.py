@@ -529,7 +529,6 @@ class _Entry:
     offered_at: float
     prediction: Prediction | None
     predicted_at: float
-    deadline_bound: bool  # due is set by the deadline, not by max_defer_s
     removed: bool = False
 
 
@@ -698,7 +697,7 @@ def offer(
     if not state.deferred:
         # Nothing queued: the request is the head at once. `drain`'s decision on it, without the
         # queue's bookkeeping when it is admitted (the same outcome, the same fair-queuing state).
-        due, _ = _due_at(request, limits, now, prediction)
+        due = _due_at(request, limits, now, prediction)
         if due > now:  # else it expires at once in `drain`
             bound = limits.admit_below(request.priority, request.workflow_standing)
             if not predicted and saturation(state, limits) < bound:
@@ -765,11 +764,11 @@ def _enqueue(
 ) -> _Entry:
     start, finish = _tags(state, request, weight)
     state._last_finish[(request.priority, request.tenant)] = finish
-    due, deadline_bound = _due_at(request, limits, now, prediction)
+    due = _due_at(request, limits, now, prediction)
     state._seq += 1
     rank = _standing_key(request)
     key = (-rank[0], -rank[1], -rank[2], start, state._seq)
-    entry = _Entry(request, key, start, finish, max(now, due), now, prediction, predicted_at, deadline_bound)
+    entry = _Entry(request, key, start, finish, max(now, due), now, prediction, predicted_at)
     state.deferred[request.request_id] = entry
     state.deferred_bytes += request.size_bytes
     heapq.heappush(state._queue, (key, entry))
@@ -786,15 +785,15 @@ def _enqueue(
 
 def _due_at(
     request: AdmissionRequest, limits: AdmissionLimits, now: float, prediction: Prediction | None
-) -> tuple[float, bool]:
-    """When a deferred request must be decided by, and whether its deadline sets that. A deadline
+) -> float:
+    """When a deferred request must be decided by. A deadline
     is the client's own word on how long it will wait: a request carrying one waits while the
     deadline can still be met (a sheddable step with minutes to spare is served once a burst
     has passed, not turned away when a fixed wait runs out); one without waits `max_defer_s`."""
     if request.deadline_at is not None:
         margin = prediction.finish_s if prediction is not None else limits.deadline_margin_s
-        return request.deadline_at - margin, True
-    return now + limits.max_defer_s, False
+        return request.deadline_at - margin
+    return now + limits.max_defer_s
 
 
 def _remove(state: AdmissionState, entry: _Entry) -> None:
@@ -883,7 +882,7 @@ def _expired(state: AdmissionState, entry: _Entry, now: float) -> Reject:
     waited = now - entry.offered_at
     if state.fleet is None or state.fleet.workers == 0:
         return Reject("no_workers", f"no live worker after {waited:.2f} s deferred", 5.0)
-    if entry.deadline_bound:
+    if entry.request.deadline_at is not None:  # its deadline set its due (`_due_at`)
         return Reject(
             "deadline",
             f"deferred {waited:.2f} s; the fleet stayed saturated until the deadline could no longer be met",
