@@ -199,7 +199,8 @@ KV_OBJECTS_TTL_S = 600.0
 INGRESS_CONSUMER = ConsumerSpec(durable="ingress", stream="REQUESTS", filter_subject=f"{PREFIX}.req.*")
 # A deferred request holds its message until admission decides it, so the replicas' deferral
 # queues together (AdmissionLimits.max_deferred, 4,096 each, plus the requests in hand) must fit
-# under max_ack_pending, or the server stops delivering new requests to any replica.
+# under max_ack_pending, or the server stops delivering new requests to any replica. The mesh's
+# config refuses a max_deferred whose one queue does not fit (services/mesh/config.py).
 ADMISSION_CONSUMER = ConsumerSpec(
     durable="admission", stream="REQUESTS", filter_subject=f"{PREFIX}.prepared.*", max_ack_pending=16384
 )

@@ -133,3 +133,31 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_node
     # Every service and the embedded nats-server are gone.
     time.sleep(0.5)
     assert _processes_mentioning(str(data_dir)) == []
+
+
+def test_up_refuses_a_deferral_queue_the_admission_consumer_cannot_hold(tmp_path: Path) -> None:
+    # Deferred requests hold their messages: a queue past the consumer's max_ack_pending would
+    # stall every admission replica, so the config is refused before anything starts.
+    from tests.conftest import TEST_CONFIG
+
+    config = tmp_path / "ripplemesh.toml"
+    config.write_text(TEST_CONFIG + "\n[admission]\nmax_deferred = 20000\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ripplemesh",
+            "up",
+            "--config",
+            str(config),
+            "--data-dir",
+            str(tmp_path / "d"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "admission.max_deferred = 20000 does not fit the admission consumer" in done.stderr
+    assert "16384" in done.stderr
+    assert not (tmp_path / "d").exists()  # nothing started, nothing written

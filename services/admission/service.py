@@ -93,7 +93,7 @@ from services.admission.policy import (
     validate,
     workflow_standing,
 )
-from services.mesh.config import TenantConfig
+from services.mesh.config import ADMISSION_IN_HAND, TenantConfig
 from services.mesh.consumer import Delivery
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
@@ -226,11 +226,21 @@ class AdmissionService:
         runtime.spawn(self._drain_loop(), "admission-drain")
         runtime.spawn(self._lease_loop(), "admission-leases")
         # Deferred requests hold their messages: room for a full queue and the requests in hand.
+        # The consumer's max_ack_pending bounds all replicas together (config validation checks
+        # one replica's share; a replica cannot see how many others run).
+        held = self.limits.max_deferred + ADMISSION_IN_HAND
+        log.info(
+            "admission holds up to %d messages unacknowledged; the consumer allows %d: %d replicas "
+            "with full deferral queues fit",
+            held,
+            ADMISSION_CONSUMER.max_ack_pending,
+            ADMISSION_CONSUMER.max_ack_pending // held,
+        )
         await runtime.consume(
             ADMISSION_CONSUMER,
             RequestPrepared,
             self._on_prepared,
-            max_inflight=self.limits.max_deferred + 256,
+            max_inflight=held,
             direct=True,
         )
 

@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 
 from schemas.events import PriorityClass
+from schemas.subjects import ADMISSION_CONSUMER
 from services.admission.policy import AdmissionLimits, Control
 
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
@@ -45,6 +46,8 @@ class TenantConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _ADMISSION = AdmissionLimits()
+# Requests an admission replica holds beyond its deferral queue: those in hand, being decided.
+ADMISSION_IN_HAND = 256
 
 
 class AdmissionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +72,18 @@ class AdmissionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_s: PositiveFloat = _ADMISSION.lease_s
     concurrency_retry_after_s: PositiveFloat = _ADMISSION.concurrency_retry_after_s
     deadline_margin_s: Annotated[float, msgspec.Meta(ge=0)] = _ADMISSION.deadline_margin_s
+
+    def __post_init__(self) -> None:
+        # A deferred request holds its JetStream message until it is decided: past the consumer's
+        # max_ack_pending the server stops delivering to every replica, and the mesh stalls.
+        held = self.max_deferred + ADMISSION_IN_HAND
+        if held > ADMISSION_CONSUMER.max_ack_pending:
+            raise ValueError(
+                f"admission.max_deferred = {self.max_deferred} does not fit the admission "
+                f"consumer: a replica holds up to max_deferred + {ADMISSION_IN_HAND} messages "
+                f"unacknowledged, and the consumer allows {ADMISSION_CONSUMER.max_ack_pending} "
+                f"across all replicas (at most {ADMISSION_CONSUMER.max_ack_pending - ADMISSION_IN_HAND})"
+            )
 
     def limits(self) -> AdmissionLimits:
         return AdmissionLimits(**msgspec.structs.asdict(self))
