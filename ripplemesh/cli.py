@@ -650,6 +650,83 @@ def simulate(
         raise click.UsageError(str(exc)) from exc
 
 
+@main.command()
+@click.option(
+    "--trace",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=Path("../shared/traces/conversation_trace.jsonl"),
+    show_default=True,
+    help="The Mooncake conversation trace.",
+)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("sim-out/sweep"), show_default=True)
+@click.option(
+    "--only", default=None, help="Only the points whose name matches this regex, e.g. 'agentic-s.-x20'."
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    type=click.Choice(SIM_POLICIES),
+    help="Policies to run (repeatable; default: all; ripplemesh and one baseline at least).",
+)
+@click.option(
+    "--admission",
+    "admissions",
+    multiple=True,
+    help="Admission variants, as for simulate (repeatable; default: ripplemesh and rate_limit).",
+)
+@click.option("--jobs", type=int, default=2, show_default=True, help="Runs at once (processes).")
+def sweep(
+    trace: Path,
+    out: Path,
+    only: str | None,
+    policies: tuple[str, ...],
+    admissions: tuple[str, ...],
+    jobs: int,
+) -> None:
+    """The router's comparison with the baselines at every rate, window and seed (docs/router.md).
+
+    Finished runs under --out are read, not run again: delete a policy's files to re-run it."""
+    import re
+
+    from services.simulator.admission import parse_admission
+    from services.simulator.sweep import (
+        DEFAULT_ADMISSIONS,
+        router_points,
+        run_sweep,
+        sweep_tables,
+        write_summary,
+    )
+
+    try:
+        pattern = re.compile(only) if only else None
+        for admission in admissions:
+            parse_admission(admission)
+    except (re.error, ValueError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    points = [p for p in router_points(trace) if pattern is None or pattern.search(p.name)]
+    if not points:
+        raise click.UsageError(f"no point matches {only!r}")
+    if any(p.workload == str(trace) for p in points) and not trace.is_file():
+        raise click.UsageError(f"the Mooncake trace {trace} is not there (--trace)")
+    console = Console()
+    try:
+        result = run_sweep(
+            points,
+            out,
+            policies=policies or SIM_POLICIES,
+            admissions=admissions or DEFAULT_ADMISSIONS,
+            jobs=jobs,
+            console=console,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for table in sweep_tables(result):
+        console.print(table)
+    written = ", ".join(str(path) for path in write_summary(result, out))
+    console.print(f"wrote {written} ({result.ran} runs made, {result.read} read)")
+
+
 @bench.command("simulator")
 @click.option("--requests", default=100_000, show_default=True, help="Requests per scenario.")
 @click.option("--workers", default=64, show_default=True, help="H100 workers in the fleet.")

@@ -1,0 +1,326 @@
+"""`ripplemesh sweep`: the router's comparison with the baselines across rates, trace windows and
+generator seeds, in one command (docs/router.md, "Comparison with the baselines").
+
+A sweep is a list of points (a workload at a rate on a fleet); every policy runs at every point
+under every admission variant. Each such cell is one simulator run in a worker process, written
+to ``OUT/<point>/<admission>/<policy>.json``. A cell whose file is already there is read, not run
+again: a sweep resumes where it stopped, and after a change to one policy only its cells need
+deleting. One margin per point and admission compares ripplemesh with the cheapest baseline (and
+its SLO with the best baseline's); the summary groups the points of a rate, the way the issue's
+targets read them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from services.simulator.command import parse_window
+from services.simulator.core import SimOptions, run_simulation
+from services.simulator.fleet import parse_fleet
+from services.simulator.metrics import SimResult
+from services.simulator.policies import POLICY_NAMES
+from services.simulator.workload import AgenticWorkload, load_workload
+
+log = logging.getLogger(__name__)
+
+OURS = "ripplemesh"
+DEFAULT_ADMISSIONS = ("ripplemesh", "rate_limit")
+MOONCAKE_FLEET = "8xH100/llama-3.1-8b:fp8,8xH200/llama-3.1-8b:fp8"
+AGENTIC_FLEET = "2xH100,2xH200"
+# The Mooncake windows: the first 4,000 requests, and trace seconds 1302-2436 and 2436-3537
+# (3,995 and 4,030 requests).
+MOONCAKE_WINDOWS: tuple[tuple[str | None, int | None], ...] = (
+    (None, 4000),
+    ("1302:2436", None),
+    ("2436:3537", None),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    name: str  # the cells' folder, e.g. mooncake-w1-x12
+    group: str  # the points read together against a target, e.g. mooncake-x12
+    workload: str  # as `ripplemesh simulate --workload`
+    fleet: str
+    rate_scale: float = 1.0
+    window: str | None = None
+    limit: int | None = None
+    deadline_s: float | None = None
+
+
+def router_points(trace: Path) -> list[SweepPoint]:
+    """The issue's comparison: the Mooncake conversation trace (three windows, a 30 s deadline)
+    at 4, 12, 24 and 40 times its rate on 16 GPUs, and the agentic workload (seeds 0-4) at 1, 5,
+    10 and 20 times 2 workflows a second on 4."""
+    points = []
+    for index, (window, limit) in enumerate(MOONCAKE_WINDOWS):
+        for scale in (4, 12, 24, 40):
+            points.append(
+                SweepPoint(
+                    f"mooncake-w{index}-x{scale}",
+                    f"mooncake-x{scale}",
+                    str(trace),
+                    MOONCAKE_FLEET,
+                    scale,
+                    window,
+                    limit,
+                    30.0,
+                )
+            )
+    for seed in range(5):
+        for scale in (1, 5, 10, 20):
+            points.append(
+                SweepPoint(
+                    f"agentic-s{seed}-x{scale}",
+                    f"agentic-x{scale}",
+                    f"agentic:workflows=3000,rate_per_s=2,seed={seed}",
+                    AGENTIC_FLEET,
+                    scale,
+                )
+            )
+    return points
+
+
+def cell_path(out: Path, point: SweepPoint, admission: str, policy: str) -> Path:
+    return out / point.name / _safe(admission) / f"{policy}.json"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
+
+
+def run_cell(point: SweepPoint, policy: str, admission: str, path: Path) -> Path:
+    """One simulator run, written to `path` (in a worker process)."""
+    workload = load_workload(
+        point.workload,
+        rate_scale=point.rate_scale,
+        window=parse_window(point.window),
+        limit=point.limit,
+        deadline_s=point.deadline_s,
+    )
+    result = run_simulation(
+        workload,
+        parse_fleet(point.fleet),
+        policy,
+        # As `ripplemesh simulate` seeds it, so a cell gives that command's figures.
+        seed=workload.seed if isinstance(workload, AgenticWorkload) else 0,
+        options=SimOptions(prefix_upper_bound=False),
+        admission=admission,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".part")
+    partial.write_bytes(result.to_json())
+    partial.replace(path)  # a cell file is whole or absent, however the sweep was stopped
+    return path
+
+
+def read_cell(path: Path) -> SimResult | None:
+    """A finished cell, or None when it is absent or unreadable (it is run again)."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=SimResult)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("sweep cell %s is unreadable (%s): running it again", path, exc)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Margin:
+    """ripplemesh at one point under one admission, against the baselines there."""
+
+    point: str
+    group: str
+    admission: str
+    cost_vs_best: float  # ripplemesh's cost per successful task / the cheapest baseline's - 1
+    best: str  # the cheapest baseline
+    slo: float  # ripplemesh's SLO attainment
+    best_slo: float  # the best baseline's
+    critical_succeeded: int
+
+    @property
+    def slo_pp(self) -> float:
+        return (self.slo - self.best_slo) * 100
+
+
+@dataclass(slots=True)
+class Sweep:
+    margins: list[Margin] = field(default_factory=list)
+    ran: int = 0  # cells run now (the rest were read from earlier runs)
+    read: int = 0
+
+
+def run_sweep(
+    points: Sequence[SweepPoint],
+    out: Path,
+    *,
+    policies: Sequence[str] = POLICY_NAMES,
+    admissions: Sequence[str] = DEFAULT_ADMISSIONS,
+    jobs: int = 1,
+    console: Console | None = None,
+) -> Sweep:
+    """Run the cells not yet under `out` (in `jobs` processes), then compare every point."""
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown or OURS not in policies:
+        raise ValueError(f"policies must include {OURS} and be among {', '.join(POLICY_NAMES)}")
+    if len(policies) < 2:
+        raise ValueError("a sweep compares ripplemesh with at least one baseline")
+    console = console or Console(stderr=True)
+    sweep = Sweep()
+    cells = [(pt, adm, pol) for pt in points for adm in admissions for pol in policies]
+    todo = [cell for cell in cells if read_cell(cell_path(out, *cell)) is None]
+    sweep.read = len(cells) - len(todo)
+    if todo:
+        console.print(f"sweep: {len(todo)} runs to make, {sweep.read} already under {out}")
+        pool = ProcessPoolExecutor(max_workers=max(1, jobs))
+        try:
+            futures = {
+                pool.submit(run_cell, pt, pol, adm, cell_path(out, pt, adm, pol)): (pt, adm, pol)
+                for pt, adm, pol in todo
+            }
+            for done, future in enumerate(as_completed(futures), 1):
+                point, admission, policy = futures[future]
+                future.result()  # a run that raises stops the sweep with its error
+                sweep.ran += 1
+                console.print(f"  [{done}/{len(todo)}] {point.name} {admission} {policy}")
+        finally:
+            # On an error or Ctrl-C the runs not started are dropped; those running finish.
+            pool.shutdown(wait=True, cancel_futures=True)
+    for point in points:
+        for admission in admissions:
+            results = {pol: read_cell(cell_path(out, point, admission, pol)) for pol in policies}
+            sweep.margins.append(_margin(point, admission, results))
+    return sweep
+
+
+def _margin(point: SweepPoint, admission: str, results: dict[str, SimResult | None]) -> Margin:
+    ours = results[OURS]
+    baselines = {name: r for name, r in results.items() if name != OURS and r is not None}
+    if ours is None or not baselines:
+        raise RuntimeError(f"{point.name} {admission}: a run is missing")
+    costs = {
+        name: r.cost_per_successful_task_usd
+        for name, r in baselines.items()
+        if r.cost_per_successful_task_usd is not None
+    }
+    best = min(costs, key=lambda name: costs[name]) if costs else next(iter(baselines))
+    own = ours.cost_per_successful_task_usd
+    vs_best = own / costs[best] - 1 if own is not None and costs else float("inf")
+    critical = ours.task_success_by_priority.get("critical", [0, 0])[0]
+    return Margin(
+        point.name,
+        point.group,
+        admission,
+        vs_best,
+        best,
+        ours.slo["attainment"] or 0.0,
+        max(r.slo["attainment"] or 0.0 for r in baselines.values()),
+        critical,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSummary:
+    group: str
+    admission: str
+    points: int
+    mean_cost_vs_best: float
+    worst_cost_vs_best: float
+    cheapest: int  # points where ripplemesh costs less than every baseline
+    slo_met: int  # points where its SLO is at least the best baseline's
+    mean_slo_pp: float
+    critical_succeeded: int
+
+
+def summarise(margins: Sequence[Margin]) -> list[GroupSummary]:
+    groups: dict[tuple[str, str], list[Margin]] = {}
+    for margin in margins:
+        groups.setdefault((margin.group, margin.admission), []).append(margin)
+    return [
+        GroupSummary(
+            group,
+            admission,
+            len(rows),
+            statistics.fmean(m.cost_vs_best for m in rows),
+            max(m.cost_vs_best for m in rows),
+            sum(m.cost_vs_best < 0 for m in rows),
+            sum(m.slo_pp >= 0 for m in rows),
+            statistics.fmean(m.slo_pp for m in rows),
+            sum(m.critical_succeeded for m in rows),
+        )
+        for (group, admission), rows in groups.items()
+    ]
+
+
+def sweep_tables(sweep: Sweep) -> list[Table]:
+    points = Table(title="ripplemesh against the cheapest baseline, per point")
+    for column in ("point", "admission", "cost vs cheapest", "cheapest", "SLO", "best SLO"):
+        left = column in ("point", "admission", "cheapest")
+        points.add_column(column, justify="left" if left else "right", no_wrap=left)
+    for m in sweep.margins:
+        points.add_row(
+            m.point, m.admission, f"{m.cost_vs_best:+.2%}", m.best, f"{m.slo:.2%}", f"{m.best_slo:.2%}"
+        )
+    groups = Table(title="per rate (the issue's targets: cheapest at every rate, SLO at least the best)")
+    for column in ("rate", "admission", "mean", "worst", "cheapest", "SLO met", "SLO mean", "critical tasks"):
+        groups.add_column(column, justify="left" if column in ("rate", "admission") else "right")
+    for g in summarise(sweep.margins):
+        groups.add_row(
+            g.group,
+            g.admission,
+            f"{g.mean_cost_vs_best:+.2%}",
+            f"{g.worst_cost_vs_best:+.2%}",
+            f"{g.cheapest}/{g.points}",
+            f"{g.slo_met}/{g.points}",
+            f"{g.mean_slo_pp:+.2f} pp",
+            f"{g.critical_succeeded:,}",
+        )
+    cheapest = sum(m.cost_vs_best < 0 for m in sweep.margins)
+    slo_met = sum(m.slo_pp >= 0 for m in sweep.margins)
+    groups.caption = (
+        f"cheapest in {cheapest} of {len(sweep.margins)} runs; SLO at least the best baseline's in "
+        f"{slo_met} of {len(sweep.margins)}"
+    )
+    return [points, groups]
+
+
+def write_summary(sweep: Sweep, out: Path) -> list[Path]:
+    """summary.json (every margin and group) and summary.md (the tables as docs/router.md has
+    them: a cell per point, a bold cost where a baseline is cheaper, a bold SLO where one is
+    better)."""
+    groups = summarise(sweep.margins)
+    body = {"points": [asdict(m) for m in sweep.margins], "groups": [asdict(g) for g in groups]}
+    as_json = out / "summary.json"
+    as_json.write_bytes(msgspec.json.format(msgspec.json.encode(body), indent=2))
+    lines = [
+        "| point | admission | cost vs cheapest baseline | SLO: ripplemesh / best baseline |",
+        "|---|---|---|---|",
+    ]
+    for m in sweep.margins:
+        cost = f"{m.cost_vs_best:+.2%}"
+        slo = f"{m.slo:.2%} / {m.best_slo:.2%}"
+        lines.append(
+            f"| {m.point} | {m.admission} | {f'**{cost}**' if m.cost_vs_best >= 0 else cost} {m.best} | "
+            f"{f'**{slo}**' if m.slo_pp < 0 else slo} |"
+        )
+    lines += ["", "| rate | admission | mean | worst | cheapest | SLO met | SLO mean | critical tasks |"]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for g in groups:
+        lines.append(
+            f"| {g.group} | {g.admission} | {g.mean_cost_vs_best:+.2%} | {g.worst_cost_vs_best:+.2%} | "
+            f"{g.cheapest}/{g.points} | {g.slo_met}/{g.points} | {g.mean_slo_pp:+.2f} pp | "
+            f"{g.critical_succeeded:,} |"
+        )
+    as_markdown = out / "summary.md"
+    as_markdown.write_text("\n".join(lines) + "\n")
+    return [as_json, as_markdown]

@@ -1,0 +1,105 @@
+"""`ripplemesh sweep`: every policy at every point, margins against the cheapest baseline, and a
+sweep that resumes from the runs already made (real simulator runs on a small workload)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.simulator.sweep import SweepPoint, cell_path, router_points, run_sweep, write_summary
+
+POLICIES = ("ripplemesh", "round_robin", "least_loaded")
+POINTS = [
+    SweepPoint(
+        f"agentic-s{seed}-x4",
+        "agentic-x4",
+        f"agentic:workflows=40,rate_per_s=2,seed={seed}",
+        "1xH100,1xH200",
+        4.0,
+    )
+    for seed in (0, 1)
+]
+
+
+def _cost(path: Path) -> float:
+    return float(json.loads(path.read_bytes())["cost_per_successful_task_usd"])
+
+
+def test_a_sweep_compares_every_point_with_its_cheapest_baseline_and_resumes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sweep = run_sweep(POINTS, tmp_path, policies=POLICIES, admissions=("ripplemesh",), jobs=2)
+    assert (sweep.ran, sweep.read) == (6, 0)
+    assert [m.point for m in sweep.margins] == ["agentic-s0-x4", "agentic-s1-x4"]
+    for point, margin in zip(POINTS, sweep.margins, strict=True):
+        costs = {p: _cost(cell_path(tmp_path, point, "ripplemesh", p)) for p in POLICIES}
+        cheapest = min(("round_robin", "least_loaded"), key=lambda p: costs[p])
+        assert margin.best == cheapest
+        assert margin.cost_vs_best == pytest.approx(costs["ripplemesh"] / costs[cheapest] - 1)
+    # The seeds draw different workloads, so the two points are two measurements.
+    assert sweep.margins[0].cost_vs_best != sweep.margins[1].cost_vs_best
+
+    # Run again: every cell is read, none re-run; a damaged one is run again, with a warning.
+    stamps = {p: cell_path(tmp_path, POINTS[0], "ripplemesh", p).stat().st_mtime_ns for p in POLICIES}
+    damaged = cell_path(tmp_path, POINTS[1], "ripplemesh", "least_loaded")
+    damaged.write_text('{"policy": "least_lo')
+    with caplog.at_level(logging.WARNING, logger="services.simulator.sweep"):
+        again = run_sweep(POINTS, tmp_path, policies=POLICIES, admissions=("ripplemesh",), jobs=1)
+    assert (again.ran, again.read) == (1, 5)
+    assert "unreadable" in caplog.text and "least_loaded" in caplog.text
+    assert {p: cell_path(tmp_path, POINTS[0], "ripplemesh", p).stat().st_mtime_ns for p in POLICIES} == stamps
+    assert again.margins == sweep.margins  # the same figures: the run is deterministic
+
+    json_path, markdown_path = write_summary(again, tmp_path)
+    summary = json.loads(json_path.read_bytes())
+    (group,) = summary["groups"]
+    assert group["points"] == 2
+    assert group["cheapest"] == sum(m.cost_vs_best < 0 for m in again.margins)
+    rows = [line for line in markdown_path.read_text().splitlines() if line.startswith("| agentic-s")]
+    assert len(rows) == 2
+    for row, margin in zip(rows, again.margins, strict=True):
+        # A baseline cheaper than ripplemesh shows in bold.
+        assert ("| **+" in row) == (margin.cost_vs_best >= 0)
+
+
+def test_the_router_sweep_is_the_issue_comparison(tmp_path: Path) -> None:
+    points = router_points(tmp_path / "trace.jsonl")
+    assert len(points) == 32  # x 2 admissions: the 64 runs per policy of docs/router.md
+    groups = {p.group for p in points}
+    assert groups == {f"mooncake-x{x}" for x in (4, 12, 24, 40)} | {f"agentic-x{x}" for x in (1, 5, 10, 20)}
+    assert len({p.name for p in points}) == 32
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--only", "no-such-point"], "no point matches"),
+        (["--only", "agentic-s0-x1$", "--policy", "round_robin", "--policy", "least_loaded"], "must include"),
+        (["--only", "agentic-s0-x1$", "--admission", "bogus"], "unknown admission"),
+        (["--only", "mooncake-w0-x4$", "--trace", "missing.jsonl"], "is not there"),
+    ],
+)
+def test_a_sweep_with_bad_options_says_what_is_wrong_and_runs_nothing(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ripplemesh", "sweep", "--out", str(tmp_path / "out"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_fails_stops_the_sweep_with_its_error_and_leaves_no_cell(tmp_path: Path) -> None:
+    bad = SweepPoint("bad", "bad", "agentic:workflows=10,no_such_option=1", "1xH100", 1.0)
+    with pytest.raises(ValueError, match="no_such_option"):
+        run_sweep([bad], tmp_path, policies=("ripplemesh", "round_robin"), admissions=("ripplemesh",), jobs=1)
+    assert not list(tmp_path.rglob("*.json"))
