@@ -675,7 +675,9 @@ def simulate(
     multiple=True,
     help="Admission variants, as for simulate (repeatable; default: ripplemesh and rate_limit).",
 )
-@click.option("--jobs", type=int, default=2, show_default=True, help="Runs at once (processes).")
+@click.option(
+    "--jobs", type=click.IntRange(min=1), default=2, show_default=True, help="Runs at once (processes)."
+)
 def sweep(
     trace: Path,
     out: Path,
