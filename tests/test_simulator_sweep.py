@@ -60,6 +60,16 @@ def test_a_sweep_compares_every_point_with_its_cheapest_baseline_and_resumes(
     (group,) = summary["groups"]
     assert group["points"] == 2
     assert group["cheapest"] == sum(m.cost_vs_best < 0 for m in again.margins)
+    # Pooled: each policy's spend over its successful tasks at both points.
+    pooled = {}
+    for policy in POLICIES:
+        cells = [
+            json.loads(cell_path(tmp_path, point, "ripplemesh", policy).read_bytes()) for point in POINTS
+        ]
+        pooled[policy] = sum(c["total_spend_usd"] for c in cells) / sum(c["tasks_succeeded"] for c in cells)
+    best = min(("round_robin", "least_loaded"), key=lambda p: pooled[p])
+    assert group["pooled_best"] == best
+    assert group["pooled_cost_vs_best"] == pytest.approx(pooled["ripplemesh"] / pooled[best] - 1)
     rows = [line for line in markdown_path.read_text().splitlines() if line.startswith("| agentic-s")]
     assert len(rows) == 2
     for row, margin in zip(rows, again.margins, strict=True):
