@@ -204,7 +204,8 @@ def run_sweep(
     console = console or Console(stderr=True)
     sweep = Sweep()
     cells = [(pt, adm, pol) for pt in points for adm in admissions for pol in policies]
-    todo = [cell for cell in cells if read_cell(cell_path(out, *cell)) is None]
+    found = {cell: read_cell(cell_path(out, *cell)) for cell in cells}
+    todo = [cell for cell, result in found.items() if result is None]
     sweep.read = len(cells) - len(todo)
     if todo:
         console.print(f"sweep: {len(todo)} runs to make, {sweep.read} already under {out}")
@@ -216,7 +217,8 @@ def run_sweep(
             }
             for done, future in enumerate(as_completed(futures), 1):
                 point, admission, policy = futures[future]
-                future.result()  # a run that raises stops the sweep with its error
+                # A run that raises stops the sweep with its error.
+                found[(point, admission, policy)] = read_cell(future.result())
                 sweep.ran += 1
                 console.print(f"  [{done}/{len(todo)}] {point.name} {admission} {policy}")
         finally:
@@ -224,7 +226,7 @@ def run_sweep(
             pool.shutdown(wait=True, cancel_futures=True)
     for point in points:
         for admission in admissions:
-            results = {pol: read_cell(cell_path(out, point, admission, pol)) for pol in policies}
+            results = {pol: found[(point, admission, pol)] for pol in policies}
             sweep.margins.append(_margin(point, admission, results))
             totals = sweep.totals.setdefault((point.group, admission), {})
             for policy, result in results.items():
