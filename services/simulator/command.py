@@ -13,7 +13,7 @@ from services.simulator.fleet import parse_fleet
 from services.simulator.harness import compare
 from services.simulator.metrics import SimResult
 from services.simulator.policies import POLICY_NAMES
-from services.simulator.workload import AgenticWorkload, load_workload
+from services.simulator.workload import AgenticWorkload, Workload, load_workload
 
 
 def parse_window(text: str | None) -> tuple[float, float] | None:
@@ -28,6 +28,11 @@ def parse_window(text: str | None) -> tuple[float, float] | None:
     if not low < high:
         raise ValueError(f"window {text!r}: START must be before END")
     return (low, high)
+
+
+def run_seed(workload: Workload, seed: int | None = None) -> int:
+    """The simulator's seed for a run: the agentic generator's own, else `seed` (0 when None)."""
+    return workload.seed if isinstance(workload, AgenticWorkload) else (seed or 0)
 
 
 def simulate(
@@ -74,12 +79,11 @@ def simulate(
         prefix_upper_bound=upper_bound,
     )
     names = list(policies) or list(POLICY_NAMES)
-    run_seed = loaded.seed if isinstance(loaded, AgenticWorkload) else (seed or 0)
     return compare(
         loaded,
         parse_fleet(fleet),
         names,
-        seed=run_seed,
+        seed=run_seed(loaded, seed),
         options=options,
         out=out,
         console=console,

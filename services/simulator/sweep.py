@@ -24,12 +24,12 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from services.simulator.command import parse_window
+from services.simulator.command import parse_window, run_seed
 from services.simulator.core import SimOptions, run_simulation
 from services.simulator.fleet import parse_fleet
 from services.simulator.metrics import SimResult
 from services.simulator.policies import POLICY_NAMES
-from services.simulator.workload import AgenticWorkload, load_workload
+from services.simulator.workload import load_workload
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def run_cell(point: SweepPoint, policy: str, admission: str, path: Path) -> Path
         parse_fleet(point.fleet),
         policy,
         # As `ripplemesh simulate` seeds it, so a cell gives that command's figures.
-        seed=workload.seed if isinstance(workload, AgenticWorkload) else 0,
+        seed=run_seed(workload),
         options=SimOptions(prefix_upper_bound=False),
         admission=admission,
     )
