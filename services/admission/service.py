@@ -93,7 +93,7 @@ from services.admission.policy import (
     validate,
     workflow_standing,
 )
-from services.mesh.config import ADMISSION_IN_HAND, TenantConfig
+from services.mesh.config import TenantConfig, admission_messages_held
 from services.mesh.consumer import Delivery
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
@@ -228,7 +228,7 @@ class AdmissionService:
         # Deferred requests hold their messages: room for a full queue and the requests in hand.
         # The consumer's max_ack_pending bounds all replicas together (config validation checks
         # one replica's share; a replica cannot see how many others run).
-        held = self.limits.max_deferred + ADMISSION_IN_HAND
+        held = admission_messages_held(self.limits.max_deferred)
         log.info(
             "admission holds up to %d messages unacknowledged; the consumer allows %d: %d replicas "
             "with full deferral queues fit",

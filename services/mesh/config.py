@@ -50,6 +50,12 @@ _ADMISSION = AdmissionLimits()
 ADMISSION_IN_HAND = 256
 
 
+def admission_messages_held(max_deferred: int) -> int:
+    """The JetStream messages one admission replica may hold unacknowledged: a deferred request
+    holds its message until it is decided, so a full deferral queue and the requests in hand."""
+    return max_deferred + ADMISSION_IN_HAND
+
+
 class AdmissionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Admission's limits: the fields of `AdmissionLimits` (services/admission/policy.py), whose
     defaults these are."""
@@ -76,8 +82,7 @@ class AdmissionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         # A deferred request holds its JetStream message until it is decided: past the consumer's
         # max_ack_pending the server stops delivering to every replica, and the mesh stalls.
-        held = self.max_deferred + ADMISSION_IN_HAND
-        if held > ADMISSION_CONSUMER.max_ack_pending:
+        if admission_messages_held(self.max_deferred) > ADMISSION_CONSUMER.max_ack_pending:
             raise ValueError(
                 f"admission.max_deferred = {self.max_deferred} does not fit the admission "
                 f"consumer: a replica holds up to max_deferred + {ADMISSION_IN_HAND} messages "
