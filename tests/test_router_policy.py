@@ -91,6 +91,28 @@ def request(
     )
 
 
+# Request ids whose tie-break hashes differ: an assertion made for all of them holds by the axis
+# under test, not by a hash that happens to favour one worker (`chosen_for_every_id`).
+TIE_IDS = tuple(f"r{i}" for i in range(1, 9))
+
+
+def chosen_for_every_id(
+    workers: Sequence[WorkerView], req: RouteRequest, prefix: FixedPrefix | None = None
+) -> set[str]:
+    """The decode workers chosen for `req` under each of TIE_IDS (a fresh state each time)."""
+    return {
+        decide(state_of(*workers), dataclasses.replace(req, request_id=rid), prefix).decode_worker
+        for rid in TIE_IDS
+    }
+
+
+def test_the_tie_ids_split_over_identical_workers() -> None:
+    # What makes `chosen_for_every_id` a test of an axis: with nothing to tell two workers
+    # apart, the ids do not all pick the same one.
+    twins = [view("x", used=TOTAL // 2), view("y", used=TOTAL // 2)]
+    assert chosen_for_every_id(twins, request()) == {"x", "y"}
+
+
 def lax(state: RouterState) -> RouterState:
     """The state with the router's refusal of tasks not worth their cost off (a test of another
     axis on a saturated fleet, where a new task would be refused as not worth it)."""
@@ -143,14 +165,14 @@ def test_memory_headroom() -> None:
     # same load, the worker with truly free blocks wins.
     evicting = view("evicting", used=TOTAL // 2, free=10)
     free = view("free", used=TOTAL // 2)
-    assert decide(state_of(evicting, free), req).decode_worker == "free"
+    assert chosen_for_every_id([evicting, free], req) == {"free"}
 
 
 def test_kv_cache_state() -> None:
     req = request(prompt=8192)
     a, b = view("a", used=3000, running=8), view("b", used=3000, running=8)
+    assert chosen_for_every_id([a, b], req, FixedPrefix({"b": 400})) == {"b"}
     decision = decide(state_of(a, b), req, FixedPrefix({"b": 400}))
-    assert decision.decode_worker == "b"
     # Only whole cached blocks count, and the last prompt token is always computed.
     assert decision.predicted_cached_tokens == 400 * BLOCK
     full_hit = decide(state_of(a, b), req, FixedPrefix({"a": 512}))
@@ -409,10 +431,8 @@ def test_workflow_sunk_cost_and_prefix() -> None:
     assert late.expected_cost_per_success_usd > 0.5
     # A workflow's next step goes where its prefix (the earlier steps) lives.
     a, b, c = (view(w, used=4000, running=10) for w in "abc")
-    step = decide(
-        state_of(a, b, c), request(prompt=6000, workflow_id="wf", workflow_step=3), FixedPrefix({"c": 300})
-    )
-    assert step.decode_worker == "c"
+    step = request(prompt=6000, workflow_id="wf", workflow_step=3)
+    assert chosen_for_every_id([a, b, c], step, FixedPrefix({"c": 300})) == {"c"}
 
 
 def test_aggregated_or_disaggregated_by_the_same_objective() -> None:
