@@ -289,7 +289,7 @@ OPS = (
     ["publish"] * 6
     + ["deliver"] * 6
     + ["deliver_any", "lose", "duplicate", "take_dump", "take_dump", "deliver_dump", "deliver_dump"]
-    + ["die", "restart", "bogus", "late"]
+    + ["die", "restart", "bogus", "late", "far_ahead"]
 )
 
 
@@ -390,6 +390,16 @@ def test_index_matches_the_reference_under_random_delivery(seed: int, steps: int
                 outcome = index.apply(bogus)
                 assert outcome is not Outcome.APPLIED
                 sim.tainted = sim.tainted or outcome is not Outcome.MISMATCH
+        elif op == "far_ahead":
+            # A batch numbered far past anything the worker will send (a broken producer): never
+            # applied, and it must not keep the worker out of sync once a dump has come.
+            base = index.seq(sim.name)
+            current = index.started_at(sim.name) == sim.started_at
+            far = events(sim.name, sim.seq + 10**9, ("stored", [1]), started_at=sim.started_at)
+            outcome = index.apply(far)
+            assert outcome is not Outcome.APPLIED
+            if base is not None and current:
+                assert outcome is Outcome.AHEAD and index.needs_dump(sim.name)
         check(index, incarnations, rng)
 
     # Liveness: a last batch (so a lost tail shows as a gap) and every batch still in flight
@@ -409,6 +419,23 @@ def test_index_matches_the_reference_under_random_delivery(seed: int, steps: int
         assert index.seq(sim.name) == sim.seq and index.started_at(sim.name) == sim.started_at
         assert index.blocks_of(sim.name) == sim.truth[-1]
     check(index, incarnations, rng)
+
+
+def test_a_batch_far_past_the_base_is_not_held_and_one_dump_resyncs() -> None:
+    index = KvIndex(BLOCK_SIZE, max_pending=8)
+    # Known base: refused at once, the worker needs a dump.
+    assert index.apply_dump(dump("w", 1, [10])) is Outcome.APPLIED
+    assert index.apply(events("w", 10**9, ("stored", [11]))) is Outcome.AHEAD
+    assert index.needs_dump("w") and index.pending("w") == 0
+    assert index.apply_dump(dump("w", 2, [10, 12])) is Outcome.APPLIED
+    assert index.synced("w") and not index.needs_dump("w")
+    # No base yet (discovery): held, then dropped by the dump, which leaves the worker synced.
+    assert index.apply(events("v", 10**9, ("stored", [11]))) is Outcome.UNKNOWN
+    assert index.apply(events("v", 3, ("stored", [12]))) is Outcome.STALE
+    assert index.apply_dump(dump("v", 2, [10])) is Outcome.APPLIED
+    assert index.synced("v") and index.seq("v") == 3 and index.blocks_of("v") == {10, 12}
+    assert index.dropped_ahead == 1 and index.pending("v") == 0
+    assert index.apply(events("v", 4, ("stored", [13]))) is Outcome.APPLIED
 
 
 @settings(max_examples=100, deadline=None)

@@ -231,6 +231,29 @@ async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bu
     await eventually(lambda: current(index, worker))
     assert 99 not in index.blocks_of(worker.worker_id)
     assert index.overlaps([1]) == {} and index.overlaps([2, 3, 4]) == {worker.worker_id: 3}
+
+    # A batch numbered far past the worker's (a broken producer): counted, one dump resyncs the
+    # worker, and the router then stops asking for dumps.
+    ahead = counted("ripplemesh_router_kv_events_total", "ahead")
+    far = KvEvents(
+        event_id="far",
+        occurred_at=time.time(),
+        worker_id=worker.worker_id,
+        model=MODEL,
+        block_size=BLOCK_SIZE,
+        seq=worker.seq + 10**9,
+        changes=[KvCacheChange(kind="stored", block_hashes=[98])],
+    )
+    await bus.nc.publish(kv_subject(worker.worker_id), encode_event(far))
+    await bus.nc.flush()
+    await eventually(lambda: counted("ripplemesh_router_kv_events_total", "ahead") >= ahead + 1)
+    await eventually(lambda: current(index, worker))
+    requests = worker.dump_requests
+    worker.store(8)
+    await worker.flush()
+    await eventually(lambda: current(index, worker) and index.seq(worker.worker_id) == worker.seq)
+    await asyncio.sleep(0.5)
+    assert worker.dump_requests == requests and 98 not in index.blocks_of(worker.worker_id)
     await worker.stop()
 
 

@@ -59,7 +59,8 @@ LOG_EVERY_S = 5.0
 KV_EVENTS = Counter(
     "ripplemesh_router_kv_events_total",
     "KV event batches received, by outcome (applied, duplicate, gap, stale, mismatch, unknown, "
-    "restarted, superseded, invalid, dead_worker, error).",
+    "restarted, superseded, ahead, invalid, dead_worker, error); ahead also counts held batches "
+    "a dump dropped as too far past its seq.",
     ["outcome"],
 )
 KV_DUMPS = Counter(
@@ -314,7 +315,17 @@ class KvSync:
                 elif peer.dead or peer.generation != generation or self._peers.get(worker_id) is not peer:
                     outcome = "discarded"  # the worker died or started over meanwhile
                 else:
+                    dropped = self.index.dropped_ahead
                     outcome = self.index.apply_dump(dump).value
+                    if dropped := self.index.dropped_ahead - dropped:
+                        KV_EVENTS.labels(Outcome.AHEAD.value).inc(dropped)
+                        self._note(
+                            worker_id,
+                            Outcome.AHEAD.value,
+                            "held KV events too far past the dump's seq dropped",
+                            dropped=dropped,
+                            dump_seq=dump.seq,
+                        )
         finally:
             peer.dump_in_flight = False
             self._dumps_in_flight -= 1
