@@ -28,6 +28,7 @@ KEY_ATTRIBUTES = (
     "ripple.router.predicted_cost_usd",
     "ripple.router.success_probability",
     "ripple.router.expected_cost_per_success_usd",
+    "ripple.router.score",
     "ripple.worker_id",
     "ripple.cached_tokens",
     "ripple.ttft_s",

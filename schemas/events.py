@@ -137,8 +137,15 @@ class RouteOption(Struct, frozen=True, kw_only=True):
     ttft_s: NonNegativeFloat
     cost_usd: NonNegativeFloat
     success_probability: Probability
-    # The score (lower is better); None when success is out of reach (an infinite score).
+    # What a success is expected to cost: (the workflow's spend so far + this placement's cost)
+    # / P(success); None when success is out of reach.
     expected_cost_per_success_usd: NonNegativeFloat | None = None
+    # The objective the router ranks options by, lowest first: (the GPU time's marginal cost +
+    # the latency's worth + the workflow's spend so far) / P(success); None when infinite or
+    # from an older router.
+    score: NonNegativeFloat | None = None
+    # Predicted time from the decision to the last token.
+    completion_s: NonNegativeFloat | None = None
 
 
 class PoolView(Struct, frozen=True, kw_only=True):

@@ -24,6 +24,7 @@ from services.router.policy import (
     earliest_ttft,
     place,
 )
+from services.router.reporting import span_attributes
 from services.router.speed import speed_for
 from tests.router_views import FixedPrefix, state_of
 
@@ -206,6 +207,27 @@ def test_tenant_priority() -> None:
 
     assert decide(fleet(), request(priority="critical")).decode_worker == "fast"
     assert decide(fleet(), request(priority="sheddable")).decode_worker == "cheap"
+
+
+def test_the_span_shows_the_score_the_options_were_ranked_by() -> None:
+    # The critical request goes to "fast", though "cheap" is expected to cost less per success:
+    # its latency is worth more than the price. The span shows each option's score (the
+    # chosen's the lowest), and the expected cost per success beside it.
+    busy = {"used": TOTAL * 9 // 10, "running": 64}
+    state = state_of(view("fast", price=12.0, **busy), view("cheap", price=3.0, queued=30_000, **busy))
+    placement = decide(state, request(priority="critical"))
+    [cheap] = [o for o in placement.runners_up if o.decode_worker == "cheap"]
+    assert cheap.expected_cost_per_success_usd < placement.expected_cost_per_success_usd
+    assert placement.score is not None and cheap.score > placement.score
+    attributes = span_attributes(
+        placement, policy="ripplemesh", replica="r", decision_s=0.001, workflow_spent_usd=0.0
+    )
+    assert attributes["ripple.router.score"] == pytest.approx(placement.score)
+    runners_up = attributes["ripple.router.runners_up"]
+    assert isinstance(runners_up, list)
+    [shown] = [line for line in runners_up if line.split()[1] == "cheap"]
+    assert f"score=${cheap.score:.6f}" in shown
+    assert f"per_success=${cheap.expected_cost_per_success_usd:.6f}" in shown
 
 
 def test_latency_budget() -> None:

@@ -287,6 +287,11 @@ async def test_every_decision_is_an_event_with_its_predictions_and_is_counted(
             assert decision.chosen.expected_cost_per_success_usd is not None
             assert fleet.ids[1] in {o.prefill_worker for o in decision.runners_up}
             assert all(o.expected_cost_per_success_usd is not None for o in decision.runners_up)
+            # The score shown is the one the options were ranked by: the chosen has the lowest.
+            assert decision.chosen.score is not None
+            assert all(o.score is not None and o.score >= decision.chosen.score for o in decision.runners_up)
+            assert decision.chosen.completion_s is not None
+            assert decision.chosen.completion_s > decision.chosen.ttft_s
             assert decision.prompt_tokens == 1224 and decision.kv_blocks == -(-(1224 + 16) // BLOCK_SIZE)
             assert decision.candidates >= 2 and decision.decision_s > 0
             # The index's size is exported while the router runs.

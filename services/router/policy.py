@@ -525,6 +525,8 @@ class Placement:
     runners_up: tuple[ScoredOption, ...] = ()
     policy: str = "ripplemesh"
     predicted_completion_s: float = 0.0
+    # The objective the options were ranked by (lower is better); None from a policy without one.
+    score: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1364,6 +1366,7 @@ def place(
         runners_up=tuple(o.scored(sunk) for o in others),
         policy="ripplemesh",
         predicted_completion_s=best.completion_s,
+        score=best.score,
     )
 
 

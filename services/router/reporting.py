@@ -66,7 +66,8 @@ def _seconds(value: float) -> float:
 
 
 def _score(value: float) -> float | None:
-    """An expected cost per success for the contract: None when infinite (success out of reach)."""
+    """A score or an expected cost per success for the contract: None when infinite (success
+    out of reach)."""
     return value if math.isfinite(value) and value >= 0 else None
 
 
@@ -84,6 +85,8 @@ def chosen_option(placement: Placement) -> RouteOption:
         cost_usd=_seconds(placement.predicted_cost_usd),
         success_probability=_probability(placement.success_probability),
         expected_cost_per_success_usd=_score(placement.expected_cost_per_success_usd),
+        score=_score(placement.score) if placement.score is not None else None,
+        completion_s=_seconds(placement.predicted_completion_s),
     )
 
 
@@ -97,19 +100,25 @@ def runner_up(option: ScoredOption) -> RouteOption:
         cost_usd=_seconds(option.cost_usd),
         success_probability=_probability(option.success_probability),
         expected_cost_per_success_usd=_score(option.expected_cost_per_success_usd),
+        score=_score(option.score),
+        completion_s=_seconds(option.completion_s),
     )
 
 
+def _usd(value: float | None) -> str:
+    return "inf" if value is None else f"{value:.6f}"
+
+
 def describe(option: RouteOption) -> str:
-    """One option on one line, for a span attribute and `ripplemesh trace`."""
-    score = option.expected_cost_per_success_usd
+    """One option on one line, for a span attribute and `ripplemesh trace`: the score it was
+    ranked by first (lower is better), then what it predicted."""
     workers = option.prefill_worker
     if option.decode_worker != option.prefill_worker:
         workers = f"{option.prefill_worker}>{option.decode_worker}"
     return (
-        f"{option.mode} {workers} score=${'inf' if score is None else f'{score:.6f}'} "
+        f"{option.mode} {workers} score=${_usd(option.score)} "
         f"cached={option.cached_tokens} ttft={option.ttft_s:.3f}s cost=${option.cost_usd:.6f} "
-        f"p={option.success_probability:.3f}"
+        f"p={option.success_probability:.3f} per_success=${_usd(option.expected_cost_per_success_usd)}"
     )
 
 
@@ -156,6 +165,8 @@ def span_attributes(
     )
     if chosen.expected_cost_per_success_usd is not None:
         attributes["ripple.router.expected_cost_per_success_usd"] = chosen.expected_cost_per_success_usd
+    if chosen.score is not None:
+        attributes["ripple.router.score"] = chosen.score
     return attributes
 
 
