@@ -280,6 +280,9 @@ class RouteDecision(Event, frozen=True, kw_only=True, tag="router.decision.v1"):
     workflow_step: PositiveInt | None = None
     workflow_steps: PositiveInt | None = None
     workflow_spent_usd: NonNegativeFloat = 0.0
+    # The request's class: the other replicas count what a second of its latency is worth on
+    # its workers until its predicted completion, as the placer does (None: an older router).
+    priority: PriorityClass | None = None
 
 
 class AdmissionDecision(Event, frozen=True, kw_only=True, tag="admission.decision.v1"):

@@ -527,6 +527,7 @@ def test_a_replica_counts_another_replicas_placement_as_the_placer_did() -> None
         request = inference_request(
             prefix + random_tokens(rng, rng.randrange(16, 900)), max_tokens=rng.randrange(1, 200)
         )
+        request = msgspec.structs.replace(request, priority=rng.choice(["critical", "standard", "sheddable"]))
         decided_at = now + 0.01 * (i + 1)
         decision = place(placer, route_request(request), index, decided_at)
         assert not isinstance(decision, NoPlacement), decision
@@ -548,6 +549,17 @@ def test_a_replica_counts_another_replicas_placement_as_the_placer_did() -> None
         assert peer.prefill_rate(view.worker_id, later) == pytest.approx(
             placer.prefill_rate(view.worker_id, later)
         )
+    # And the requests still running there, with what a second of their latency is worth: what
+    # the delay a new request would impose on them is weighed by (critical ones among them).
+    running = 0
+    for view in views:
+        # After the last decision, in time order (the states drop what has ended as they read).
+        for at in (decided_at, later, now + 30.0):
+            count, worth = peer.inflight(view.worker_id, at)
+            expected_count, expected_worth = placer.inflight(view.worker_id, at)
+            assert count == expected_count and worth == pytest.approx(expected_worth, abs=1e-12)
+            running += count
+    assert running > 0
     assert "disaggregated" in modes, modes  # hand-offs were counted too
     # Its own decisions, and those older than a worker's latest heartbeat, are not counted again.
     assert count_peer_placement(peer, msgspec.structs.replace(event, router="peer"), "peer") == "own"

@@ -28,7 +28,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from schemas.events import PrefillCompleted, RouteDecision
+from schemas.events import PrefillCompleted, RouteDecision, RouteOption
 from schemas.subjects import event_subject
 from services.router.policy import RouterState
 
@@ -76,8 +76,22 @@ def count_peer_placement(state: RouterState, event: RouteDecision, replica: str)
             if decode.worker_id != prefill.worker_id and event.occurred_at > decode.heartbeat_at:
                 state.count(decode.worker_id, 0, event.kv_blocks, event.occurred_at)
                 outcome = "counted"
+            _count_inflight(state, event, chosen)
     PEER_PLACEMENTS.labels(outcome).inc()
     return outcome
+
+
+def _count_inflight(state: RouterState, event: RouteDecision, chosen: RouteOption) -> None:
+    """The placement's request runs on its workers until its predicted first token (a prefill
+    worker it leaves) and last token, its latency worth its class's: what the placer's own
+    state tracks, so both weigh the delay a new request would impose there alike. (Heartbeats
+    do not carry it, so it is counted however recent the workers' heartbeats are.)"""
+    if event.priority is None or chosen.completion_s is None:
+        return
+    worth = state.config.latency_worth_usd_per_s.get(event.priority, 0.0)
+    if chosen.decode_worker != chosen.prefill_worker:
+        state.add_inflight(chosen.prefill_worker, event.occurred_at + chosen.ttft_s, worth)
+    state.add_inflight(chosen.decode_worker, event.occurred_at + chosen.completion_s, worth)
 
 
 class Feedback:

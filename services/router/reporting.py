@@ -202,6 +202,7 @@ def decision_event(
         workflow_step=workflow.step if workflow is not None else None,
         workflow_steps=workflow.steps if workflow is not None else None,
         workflow_spent_usd=max(0.0, workflow_spent_usd),
+        priority=request.priority,
     )
 
 
