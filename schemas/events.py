@@ -480,6 +480,16 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     tokens_per_s: NonNegativeFloat
     started_at: NonNegativeFloat
     draining: bool = False
+    # For the router's memory-headroom and latency axes (None: the engine cannot tell, and the
+    # router estimates from the counts): blocks neither held nor cached (allocating past them
+    # evicts cached prefixes others may reuse), prompt tokens still to prefill (the uncached
+    # part of those waiting), KV tokens of the running batch.
+    kv_blocks_free: NonNegativeInt | None = None
+    queued_tokens: NonNegativeInt | None = None
+    context_tokens: NonNegativeInt | None = None
+    # LoRA adapters loaded beside the model. (A worker announces itself once its model's
+    # weights are loaded, so a heartbeat's model is warm.)
+    adapters: list[str] = []
 
 
 class WorkerControl(Event, frozen=True, kw_only=True, tag="worker.control.v1"):

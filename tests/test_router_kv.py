@@ -36,6 +36,7 @@ from services.mesh.embedded_nats import EmbeddedNats
 from services.mesh.runtime import Runtime, ServiceOptions
 from services.router.kv_index import KvIndex
 from services.router.kv_sync import KvSync
+from services.router.service import view_of
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -456,6 +457,11 @@ async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
             await asyncio.wait_for(asyncio.gather(*(prefill(i) for i in range(start, start + 30))), 30)
         cached = set(engine.cached_block_hashes())
         assert len(cached) > 100_000
+        # Its heartbeat, as the router reads it: nothing held, but nearly every block caches a
+        # prefix, so a placement there evicts (the memory-headroom axis needs the free count).
+        view = view_of(host.state())
+        assert view.kv_blocks_used == 0 and view.queued_tokens == 0 and view.context_tokens == 0
+        assert view.kv_blocks_free == engine.info.kv_blocks_total - len(cached)
         whole = KvDump(
             event_id="x",
             occurred_at=time.time(),

@@ -79,6 +79,12 @@ class EngineSnapshot:
     tokens_per_s: float
     # Sequences evicted from the running batch for lack of KV blocks, since the engine started.
     preemptions: int = 0
+    # What the router weighs beside the counts (None: the engine cannot tell): blocks neither
+    # held nor cached (allocating past them evicts cached prefixes), the prompt tokens still to
+    # prefill (the uncached part of those waiting), the KV tokens of the running batch.
+    kv_blocks_free: int | None = None
+    queued_tokens: int | None = None
+    context_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

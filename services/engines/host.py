@@ -148,6 +148,10 @@ class EngineHost:
             tokens_per_s=snap.tokens_per_s,
             started_at=self.started_at,
             draining=self.draining,
+            kv_blocks_free=snap.kv_blocks_free,
+            queued_tokens=snap.queued_tokens,
+            context_tokens=snap.context_tokens,
+            adapters=list(info.adapters),
         )
 
     async def heartbeat(self) -> None:

@@ -90,6 +90,10 @@ def view_of(state: WorkerState, shapes: dict[str, str] | None = None) -> WorkerV
         draining=state.draining,
         gpu_type=state.gpu_type,
         price_per_hour=state.price_per_hour,
+        kv_blocks_free=state.kv_blocks_free,
+        queued_tokens=state.queued_tokens,
+        context_tokens=state.context_tokens,
+        adapters=tuple(state.adapters),
         **({"speed": speed} if speed is not None else {}),
     )
 

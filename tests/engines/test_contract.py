@@ -194,7 +194,15 @@ async def test_snapshot_fields_are_sane(kit: EngineKit, new_engine: EngineMaker)
         assert 0 <= s.kv_blocks_cached <= total
         assert s.queue_depth >= 0 and s.running >= 0 and s.tokens_per_s >= 0
         assert s.preemptions >= 0
+        # What the router weighs beside the counts, where the engine reports it.
+        if s.kv_blocks_free is not None:
+            assert 0 <= s.kv_blocks_free <= total - s.kv_blocks_used
+        if s.queued_tokens is not None:
+            assert s.queued_tokens >= s.queue_depth  # a waiting request has a token to prefill
+        if s.context_tokens is not None:
+            assert s.context_tokens >= s.running  # a running one has its prompt's KV
 
+    reports = engine.snapshot()
     sane()
     request = kit.request("c-snapshot", kit.tokens(9, 40), max_tokens=24)
     task = asyncio.create_task(serve(engine, request))
@@ -205,7 +213,13 @@ async def test_snapshot_fields_are_sane(kit: EngineKit, new_engine: EngineMaker)
     assert_finished(request, tokens, steps)
     sane()
     await eventually(lambda: engine.snapshot().running == 0 and engine.snapshot().queue_depth == 0)
-    assert engine.snapshot().tokens_per_s > 0
+    idle = engine.snapshot()
+    assert idle.tokens_per_s > 0
+    if reports.kv_blocks_free is not None:
+        # Idle, the request's blocks are cached or free; none is both.
+        assert idle.kv_blocks_free is not None and idle.kv_blocks_used == 0
+        assert idle.kv_blocks_free + idle.kv_blocks_cached <= total
+        assert idle.queued_tokens == 0 and idle.context_tokens == 0
 
 
 async def test_kv_events_and_the_dump_agree_through_eviction(kit: EngineKit, new_engine: EngineMaker) -> None:

@@ -72,6 +72,11 @@ class KvBlockCache:
         return self.total_blocks - self._free - len(self._unreferenced)
 
     @property
+    def free_blocks(self) -> int:
+        """Blocks neither held nor cached."""
+        return self._free
+
+    @property
     def cached_blocks(self) -> int:
         return sum(1 for block in self._blocks.values() if block.kv is not None)
 

@@ -358,6 +358,10 @@ class HfEngine:
             queue_depth=len(self._waiting),
             running=len(self._decoding),
             tokens_per_s=round(self._tokens_per_s, 3),
+            kv_blocks_free=self.blocks.free_blocks,
+            # A waiting sequence's cached prefix was found when it came.
+            queued_tokens=sum(len(seq.request.prompt_tokens) - seq.cached_tokens for seq in self._waiting),
+            context_tokens=sum(seq.length for seq in self._decoding.values()),
         )
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -382,7 +382,22 @@ class SimEngine:
             running=len(self._running) + len(self._ready),
             tokens_per_s=round(self._tokens_per_s, 3),
             preemptions=self.stats.preemptions,
+            kv_blocks_free=self.blocks.free_blocks,
+            queued_tokens=self._queued_tokens(),
+            context_tokens=sum(seq.num_tokens for seq in self._running),
         )
+
+    def _queued_tokens(self) -> int:
+        """The prompt tokens yet to prefill: the rest of those in the batch (a decoding sequence
+        has one token left to compute), and the uncached part of those waiting (an imported KV
+        needs none)."""
+        total = sum(seq.remaining for seq in self._running if seq.remaining > 1)
+        size = self.info.block_size
+        for seq in self._waiting:
+            if not seq.kv_import:
+                cached = self.blocks.cached_prefix_blocks(seq.request.block_hashes) * size
+                total += max(1, seq.remaining - cached)
+        return total
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
