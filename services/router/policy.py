@@ -436,6 +436,10 @@ class RouterState:
             heapq.heapify(current)
             self._heaps[(worker.model, worker.role, worker.gpu_type)] = current
 
+    def roles(self, model: str) -> set[str]:
+        """The roles the model's workers have (live or not)."""
+        return {role for heap_model, role, _ in self._heaps if heap_model == model}
+
     def least_loaded(self, model: str, role: Role, k: int, now: float) -> list[WorkerView]:
         """The k least-loaded live, non-draining workers of each GPU type for the model and role
         (O(k log n) per GPU type). Workers tied with the k-th come too (up to 4k), so that a
@@ -1085,7 +1089,9 @@ def _candidates(
         workers = state.workers
         # Workers leave a shared prefix in groups: few distinct depths, longest first. The
         # workers at a depth are picked out in C (a decision can match a thousand workers).
-        missing = 2 * wanted  # places left, both roles together
+        # Places left, over the roles the model's fleet has: in a fleet of one role, the other's
+        # places would never fill, and the walk would read every matched worker.
+        missing = wanted * max(1, len(state.roles(request.model)))
         for _, worker_ids in _deepest(matched):
             for worker_id in worker_ids:
                 worker = workers.get(worker_id)
