@@ -294,8 +294,9 @@ async def test_every_decision_is_an_event_with_its_predictions_and_is_counted(
             assert decision.chosen.completion_s > decision.chosen.ttft_s
             assert decision.prompt_tokens == 1224 and decision.kv_blocks == -(-(1224 + 16) // BLOCK_SIZE)
             assert decision.candidates >= 2 and decision.decision_s > 0
-            # The index's size is exported while the router runs.
+            # The index's size and the live workers are exported while the router runs.
             assert counter("ripplemesh_router_kv_indexed_blocks") >= 64
+            assert counter("ripplemesh_router_live_workers") == 2
             # The prediction travels with the work, timed from the decision.
             assert work.prediction == decision.chosen and work.occurred_at == decision.occurred_at
 

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 import uuid
+from itertools import islice
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -145,6 +146,9 @@ class RouterService:
         self.kv_index = KvIndex(runtime.config.block_size)
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
         runtime.spawn(self.kv_sync.run(), "kv-sync")
+        # Counted when scraped: counting on every heartbeat read every worker a thousand times a
+        # second on a fleet of a thousand.
+        LIVE_WORKERS.set_function(lambda: len(live_workers_any(self.state)))
         runtime.spawn(self._watch_workers(), "watch-workers")
         self.migrator = Migrator(runtime, max_migrations=runtime.config.max_migrations)
         await self.migrator.start()
@@ -195,7 +199,6 @@ class RouterService:
             self.state.observe(view_of(worker, self._shapes))
             if self.kv_sync is not None:
                 self.kv_sync.observe(worker)
-            LIVE_WORKERS.set(len(live_workers_any(self.state)))
             self._workers_changed.set()
 
     async def _on_admitted(self, event: RequestAdmitted, delivery: Delivery) -> None:
@@ -310,14 +313,23 @@ class RouterService:
         if self.kv_index is None:
             return
         try:
-            matched = self.kv_index.overlaps(request.block_hashes)
             size, prompt = self.kv_index.block_size, len(request.prompt_tokens)
-            live = {w.worker_id for w in live_workers_any(self.state) if w.model == request.model}
-            best = sorted(((n, w) for w, n in matched.items() if w in live), reverse=True)
-            span.set_attribute(
-                "ripple.router.cached_tokens_by_worker",
-                [f"{w}={predicted_cached_tokens(n, prompt, size)}" for n, w in best[:SPAN_KV_CANDIDATES]],
+            workers, now = self.state.workers, time.time()
+            # Deepest first, reading only as many workers as are shown (a prefix can be shared
+            # by a thousand).
+            live = (
+                (worker_id, depth)
+                for depth, worker_ids in self.kv_index.matches(request.block_hashes).deepest()
+                for worker_id in worker_ids
+                if (worker := workers.get(worker_id)) is not None
+                and worker.model == request.model
+                and now - worker.heartbeat_at <= LIVENESS_S
             )
+            shown = [
+                f"{worker_id}={predicted_cached_tokens(depth, prompt, size)}"
+                for worker_id, depth in islice(live, SPAN_KV_CANDIDATES)
+            ]
+            span.set_attribute("ripple.router.cached_tokens_by_worker", shown)
         except Exception as exc:  # the index is advisory: never fail a placement over it
             log.warning("KV prefix lookup failed", extra={"error": repr(exc)})
 
