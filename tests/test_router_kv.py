@@ -34,7 +34,7 @@ from services.mesh.bus import Bus
 from services.mesh.config import load_config
 from services.mesh.embedded_nats import EmbeddedNats
 from services.mesh.runtime import Runtime, ServiceOptions
-from services.router.kv_index import KvIndex
+from services.router.kv_index import KvIndex, Outcome
 from services.router.kv_sync import KvSync
 from services.router.service import view_of
 from tests.conftest import wait_until
@@ -255,6 +255,82 @@ async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bu
     await eventually(lambda: current(index, worker) and index.seq(worker.worker_id) == worker.seq)
     await asyncio.sleep(0.5)
     assert worker.dump_requests == requests and 98 not in index.blocks_of(worker.worker_id)
+    await worker.stop()
+
+
+def kv_events_counted() -> float:
+    """KV event batches the router has counted, whatever their outcome."""
+    outcomes = (*(outcome.value for outcome in Outcome), "invalid", "dead_worker", "error")
+    return sum(counted("ripplemesh_router_kv_events_total", outcome) for outcome in outcomes)
+
+
+def hostile_kv_payload(rng: random.Random, worker_id: str, seq: int) -> bytes:
+    """Something a broken producer could put on a worker's KV subject: bytes, JSON of the wrong
+    shape, or KvEvents out of turn (a seq already applied, or far ahead), for another worker,
+    model or block size, or with one field out of range. (Not a batch numbered as the worker's
+    next few: the index takes the worker's numbering on trust, so only the subject's publish
+    permission keeps such a forgery out.)"""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(0, 64))
+    if kind == 1:
+        return json.dumps(rng.choice([[], {}, None, 3, "x", {"worker_id": worker_id}, {"seq": -1}])).encode()
+    fields: dict[str, Any] = {
+        "type": "kv.events.v1",
+        "event_id": uuid.uuid4().hex,
+        "occurred_at": time.time(),
+        "worker_id": worker_id,
+        "model": MODEL,
+        "block_size": BLOCK_SIZE,
+        "seq": rng.choice([seq, seq - 1, 1, seq + 10**9]),
+        "changes": [
+            {"kind": rng.choice(["stored", "removed", "cleared"]), "block_hashes": [rng.randrange(200, 300)]}
+            for _ in range(rng.randrange(3))
+        ],
+    }
+    if kind == 3:  # for another worker, model or block size
+        key, value = rng.choice([("worker_id", "someone-else"), ("model", "other-model"), ("block_size", 32)])
+        fields[key] = value
+    elif kind == 4:  # one field out of range or of the wrong type
+        out_of_range = [("seq", -5), ("seq", 2**70), ("block_size", 0), ("occurred_at", "soon")]
+        key, value = rng.choice([*out_of_range, ("changes", {"kind": "x"})])
+        fields[key] = value
+    elif kind == 5:
+        fields.pop(rng.choice(sorted(fields)))
+    return json.dumps(fields).encode()
+
+
+async def test_hostile_kv_payloads_never_stop_the_sync_or_leave_a_wrong_index(
+    bus: Bus, sync: KvSync, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A real worker, synced; then 400 hostile payloads on its subject over NATS, between its
+    # own batches. The sync keeps running, every payload is counted, bad ones are logged, and
+    # afterwards the index holds exactly the worker's cache (resynced where it had to be).
+    index = sync.index
+    worker = await FakeWorker(bus.nc, worker_name("hostile")).start()
+    worker.store(1, 2, 3)
+    await worker.flush(lose=True)
+    sync.observe(worker.heartbeat())
+    await eventually(lambda: current(index, worker))
+    total = kv_events_counted()
+    rng = random.Random(2026)
+    sent = 0
+    for round_ in range(8):
+        for _ in range(50):
+            data = hostile_kv_payload(rng, worker.worker_id, worker.seq)
+            await bus.nc.publish(kv_subject(worker.worker_id), data)
+            sent += 1
+        worker.store(100 + round_)
+        await worker.flush()
+        sent += 1
+        await bus.nc.flush()
+    await eventually(lambda: kv_events_counted() >= total + sent, timeout_s=20)
+    sync.observe(worker.heartbeat())
+    caught_up = lambda: current(index, worker) and index.seq(worker.worker_id) == worker.seq  # noqa: E731
+    await eventually(caught_up, timeout_s=20)
+    index.check_invariants()
+    assert index.blocks_of(worker.worker_id) == worker.blocks
+    assert any("KV events" in record.getMessage() for record in caplog.records)
     await worker.stop()
 
 
