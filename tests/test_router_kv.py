@@ -258,6 +258,44 @@ async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bu
     await worker.stop()
 
 
+async def test_two_router_replicas_build_the_same_index_from_the_same_events(bus: Bus) -> None:
+    # Active-active: each replica reads every worker's events and dumps on its own, through a
+    # lost batch and a worker it discovers late, and each ends with the workers' caches.
+    syncs = [KvSync(bus.nc, KvIndex(BLOCK_SIZE), dump_timeout_s=0.5, liveness_s=60.0) for _ in range(2)]
+    tasks = [asyncio.create_task(s.run()) for s in syncs]
+    workers: list[FakeWorker] = []
+    try:
+        await asyncio.wait_for(asyncio.gather(*(s.subscribed.wait() for s in syncs)), 5)
+        workers = [await FakeWorker(bus.nc, worker_name(f"rep{i}")).start() for i in range(3)]
+        for i, worker in enumerate(workers):
+            worker.store(*range(10 * i, 10 * i + 8))
+            await worker.flush()
+            for s in syncs:
+                s.observe(worker.heartbeat())
+        workers[0].remove(0, 1)
+        await workers[0].flush(lose=True)  # a gap: each replica resyncs from a dump
+        workers[0].store(99)
+        await workers[0].flush()
+        late = await FakeWorker(bus.nc, worker_name("late")).start()
+        late.store(7, 8)
+        await late.flush()
+        syncs[1].observe(late.heartbeat())  # one replica hears its heartbeat first
+        syncs[0].observe(late.heartbeat())
+        workers.append(late)
+        for s in syncs:
+            await eventually(lambda s=s: all(current(s.index, w) for w in workers))
+        a, b = (s.index for s in syncs)
+        assert all(a.blocks_of(w.worker_id) == b.blocks_of(w.worker_id) for w in workers)
+        probe = [*range(2, 8), 99]  # worker 0's blocks since the gap
+        assert a.overlaps(probe) == b.overlaps(probe) == {workers[0].worker_id: 7}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for worker in workers:
+            await worker.stop()
+
+
 def kv_events_counted() -> float:
     """KV event batches the router has counted, whatever their outcome."""
     outcomes = (*(outcome.value for outcome in Outcome), "invalid", "dead_worker", "error")
