@@ -144,6 +144,21 @@ class FakeWorker:
         )
 
 
+def forged_batch(worker: FakeWorker, seq: int, stored: int, **fields: Any) -> KvEvents:
+    """A batch on the worker's subject that the worker did not send: one stored block, at `seq`,
+    otherwise as the worker's own (`fields` override)."""
+    base: dict[str, Any] = {
+        "event_id": f"forged-{seq}-{stored}",
+        "occurred_at": time.time(),
+        "worker_id": worker.worker_id,
+        "model": MODEL,
+        "block_size": BLOCK_SIZE,
+        "seq": seq,
+        "changes": [KvCacheChange(kind="stored", block_hashes=[stored])],
+    }
+    return KvEvents(**{**base, **fields})
+
+
 def counted(metric: str, outcome: str) -> float:
     return REGISTRY.get_sample_value(metric, {"outcome": outcome}) or 0.0
 
@@ -178,14 +193,20 @@ def worker_name(label: str) -> str:
 # ---------------------------------------------------------------- KvSync over NATS
 
 
-async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bus: Bus, sync: KvSync) -> None:
-    index = sync.index
-    worker = await FakeWorker(bus.nc, worker_name("a")).start()
-    # Blocks cached before the router knew the worker: they come from its dump (discovery).
+async def discovered_worker(bus: Bus, sync: KvSync, label: str) -> FakeWorker:
+    """A worker with blocks 1-3 cached before the router knew it, in the index from its dump."""
+    worker = await FakeWorker(bus.nc, worker_name(label)).start()
     worker.store(1, 2, 3)
     await worker.flush(lose=True)
     sync.observe(worker.heartbeat())
-    await eventually(lambda: current(index, worker))
+    await eventually(lambda: current(sync.index, worker))
+    return worker
+
+
+async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bus: Bus, sync: KvSync) -> None:
+    index = sync.index
+    # Blocks cached before the router knew the worker: they come from its dump (discovery).
+    worker = await discovered_worker(bus, sync, "a")
     assert index.seq(worker.worker_id) == 1 and worker.dump_requests >= 1
 
     # (A mesh's router on the same server, if one runs, asks for dumps too: count only ours.)
@@ -214,15 +235,7 @@ async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bu
     await bus.nc.publish(kv_subject(worker.worker_id), encode_event(batch))
     await bus.nc.publish(kv_subject(worker.worker_id), b"{not json")
     await bus.nc.publish(kv_subject(worker_name("other")), encode_event(batch))
-    wrong = KvEvents(
-        event_id="wrong",
-        occurred_at=time.time(),
-        worker_id=worker.worker_id,
-        model=MODEL,
-        block_size=BLOCK_SIZE * 2,
-        seq=worker.seq + 1,
-        changes=[KvCacheChange(kind="stored", block_hashes=[99])],
-    )
+    wrong = forged_batch(worker, worker.seq + 1, 99, block_size=BLOCK_SIZE * 2)
     await bus.nc.publish(kv_subject(worker.worker_id), encode_event(wrong))
     await bus.nc.flush()
     await eventually(lambda: counted("ripplemesh_router_kv_events_total", "mismatch") >= mismatches + 1)
@@ -236,15 +249,7 @@ async def test_index_follows_a_worker_through_lost_duplicated_and_bad_batches(bu
     # A batch numbered far past the worker's (a broken producer): counted, one dump resyncs the
     # worker, and the router then stops asking for dumps.
     ahead = counted("ripplemesh_router_kv_events_total", "ahead")
-    far = KvEvents(
-        event_id="far",
-        occurred_at=time.time(),
-        worker_id=worker.worker_id,
-        model=MODEL,
-        block_size=BLOCK_SIZE,
-        seq=worker.seq + 10**9,
-        changes=[KvCacheChange(kind="stored", block_hashes=[98])],
-    )
+    far = forged_batch(worker, worker.seq + 10**9, 98)
     await bus.nc.publish(kv_subject(worker.worker_id), encode_event(far))
     await bus.nc.flush()
     await eventually(lambda: counted("ripplemesh_router_kv_events_total", "ahead") >= ahead + 1)
@@ -345,11 +350,7 @@ async def test_hostile_kv_payloads_never_stop_the_sync_or_leave_a_wrong_index(
     # own batches. The sync keeps running, every payload is counted, bad ones are logged, and
     # afterwards the index holds exactly the worker's cache (resynced where it had to be).
     index = sync.index
-    worker = await FakeWorker(bus.nc, worker_name("hostile")).start()
-    worker.store(1, 2, 3)
-    await worker.flush(lose=True)
-    sync.observe(worker.heartbeat())
-    await eventually(lambda: current(index, worker))
+    worker = await discovered_worker(bus, sync, "hostile")
     total = kv_events_counted()
     rng = random.Random(2026)
     sent = 0
@@ -414,16 +415,7 @@ async def test_unknown_silent_dead_and_restarted_workers(bus: Bus) -> None:
         assert index.blocks_of(worker.worker_id) == {7}
         assert counted("ripplemesh_router_kv_events_total", "restarted") >= restarted_before + 1
         # A late batch of the old incarnation changes nothing.
-        stale = KvEvents(
-            event_id="late",
-            occurred_at=time.time(),
-            worker_id=worker.worker_id,
-            model=MODEL,
-            block_size=BLOCK_SIZE,
-            seq=restarted.seq + 1,
-            changes=[KvCacheChange(kind="stored", block_hashes=[66])],
-            started_at=worker.started_at,
-        )
+        stale = forged_batch(worker, restarted.seq + 1, 66, started_at=worker.started_at)
         await bus.nc.publish(kv_subject(worker.worker_id), encode_event(stale))
         sync.observe(restarted.heartbeat())
         await eventually(lambda: current(index, restarted))
