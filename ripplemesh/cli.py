@@ -601,6 +601,12 @@ SIM_POLICIES = (
     help="Skip the infinite-cache bound (its memory grows with the workload).",
 )
 @click.option("--no-plots", is_flag=True, help="JSON only.")
+@click.option(
+    "--router-config",
+    default=None,
+    help="A variant of ripplemesh's policy: RouterConfig's number fields as key=value,... "
+    "(none turns one off), e.g. dearest_task_factor=0.6,dearest_gate=-1.",
+)
 def simulate(
     workload: str,
     fleet_spec: str,
@@ -619,6 +625,7 @@ def simulate(
     slo_tpot: float,
     no_upper_bound: bool,
     no_plots: bool,
+    router_config: str | None,
 ) -> None:
     """Replay a workload on a simulated fleet under each routing policy; compare cost per successful task."""
     import msgspec
@@ -645,6 +652,7 @@ def simulate(
             plots=not no_plots,
             console=Console(),
             admissions=admissions,
+            router_config=router_config,
         )
     except (ValueError, msgspec.ValidationError) as exc:
         raise click.UsageError(str(exc)) from exc
@@ -678,6 +686,12 @@ def simulate(
 @click.option(
     "--jobs", type=click.IntRange(min=1), default=2, show_default=True, help="Runs at once (processes)."
 )
+@click.option(
+    "--router-config",
+    default=None,
+    help="A variant of ripplemesh's policy, as for simulate, for its runs (one made with another "
+    "config is made again); the baselines run as they are.",
+)
 def sweep(
     trace: Path,
     out: Path,
@@ -685,6 +699,7 @@ def sweep(
     policies: tuple[str, ...],
     admissions: tuple[str, ...],
     jobs: int,
+    router_config: str | None,
 ) -> None:
     """The router's comparison with the baselines at every rate, window and seed (docs/router.md).
 
@@ -692,6 +707,7 @@ def sweep(
     import re
 
     from services.simulator.admission import parse_admission
+    from services.simulator.policies import parse_router_config
     from services.simulator.sweep import (
         DEFAULT_ADMISSIONS,
         router_points,
@@ -704,6 +720,7 @@ def sweep(
         pattern = re.compile(only) if only else None
         for admission in admissions:
             parse_admission(admission)
+        config = parse_router_config(router_config)
     except (re.error, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
     points = [p for p in router_points(trace) if pattern is None or pattern.search(p.name)]
@@ -720,6 +737,7 @@ def sweep(
             admissions=admissions or DEFAULT_ADMISSIONS,
             jobs=jobs,
             console=console,
+            router_config=config,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -906,3 +906,31 @@ def test_the_harness_compares_every_policy_on_one_workload(tmp_path: Path) -> No
 
     paths = plot_results(results, tmp_path)
     assert sorted(p.name for p in paths) == ["cost_per_task.png", "fleet_size.png", "latency_cdf.png"]
+
+
+# ------------------------------------------------------------------ a variant of ripplemesh's policy
+
+
+def test_simulate_runs_a_variant_of_the_router_config_and_records_it(tmp_path: Path) -> None:
+    def simulate(*extra: str) -> subprocess.CompletedProcess[str]:
+        command = ["simulate", "--workload", "agentic:workflows=40,seed=2", "--fleet", "1xH100"]
+        command += ["--policy", "ripplemesh", "--no-plots", "--no-upper-bound", *extra]
+        return subprocess.run(
+            [sys.executable, "-m", "ripplemesh", *command],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    for name, config in (("default", []), ("variant", ["--router-config", "min_success_probability=1.5"])):
+        assert simulate("--out", str(tmp_path / name), *config).returncode == 0
+    default = json.loads((tmp_path / "default" / "ripplemesh.json").read_bytes())
+    variant = json.loads((tmp_path / "variant" / "ripplemesh.json").read_bytes())
+    assert default["router_config"] == {} and default["tasks_succeeded"] > 0
+    # No placement can reach a chance above 1: every step with a deadline is refused.
+    assert variant["router_config"] == {"min_success_probability": 1.5}
+    assert variant["tasks_succeeded"] == 0 and variant["rejections"]["router:infeasible"] == variant["tasks"]
+
+    bad = simulate("--router-config", "relative_error=wide")
+    assert bad.returncode == 2 and "router config option relative_error='wide'" in bad.stderr

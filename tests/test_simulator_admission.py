@@ -9,11 +9,10 @@ import pytest
 
 from services.admission import policy as admission_policy
 from services.admission.policy import TenantQuota
-from services.router.policy import RouterConfig, RouterState
-from services.simulator import core as simulator_core
+from services.router.policy import RouterConfig
 from services.simulator import run_simulation
 from services.simulator.admission import parse_admission
-from services.simulator.core import RequestRecord
+from services.simulator.core import RequestRecord, SimOptions
 from services.simulator.fleet import FleetSpec, PoolSpec
 from services.simulator.workload import SHARED_TENANTS, AgenticWorkload
 
@@ -53,16 +52,15 @@ def test_deferred_requests_are_decided_before_their_deadline_and_every_request_e
     assert {"admission:capacity"} <= set(result.rejections)
 
 
-def test_under_overload_admission_protects_critical_traffic_and_cuts_waste(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_under_overload_admission_protects_critical_traffic_and_cuts_waste() -> None:
     # Admission's own controls against none, behind a router that refuses only hopeless
     # deadlines (its refusal of tasks not worth their cost, of new workflows past the decode
     # knee and of the dearest new tasks, controls of its own, off in both runs).
-    lax = RouterConfig(worth_probability=0.0, new_task_max_tpot_s=None, dearest_task_factor=None)
-    monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=lax))
-    admitted = run_simulation(overload(), FLEET, admission="ripplemesh")
-    uncontrolled = run_simulation(overload(), FLEET, admission="none")
+    lax = SimOptions(
+        router_config=RouterConfig(worth_probability=0.0, new_task_max_tpot_s=None, dearest_task_factor=None)
+    )
+    admitted = run_simulation(overload(), FLEET, admission="ripplemesh", options=lax)
+    uncontrolled = run_simulation(overload(), FLEET, admission="none", options=lax)
     assert uncontrolled.deferred_requests == 0 and not any(
         k.startswith("admission:") for k in uncontrolled.rejections
     )
@@ -83,9 +81,7 @@ def test_under_overload_admission_protects_critical_traffic_and_cuts_waste(
     assert "admission:capacity" not in admitted.rejections and "admission:deadline" in admitted.rejections
 
 
-def test_under_overload_the_router_sheds_the_dearest_new_tasks_and_a_success_costs_less(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_under_overload_the_router_sheds_the_dearest_new_tasks_and_a_success_costs_less() -> None:
     # At overload the router refuses the first steps of the dearest new tasks (the longest
     # workflows) once the fleet is past keeping up, so the fleet's time goes to tasks that take
     # less of it and a successful task costs less than with that refusal off: under the rate
@@ -115,16 +111,14 @@ def test_under_overload_the_router_sheds_the_dearest_new_tasks_and_a_success_cos
 
     others, others_tried = refused_first_steps(log, critical=False)
     assert len(others) > 20 and sum(others) / len(others) > sum(others_tried) / len(others_tried) + 1
-    one_bar = RouterConfig(dearest_priority_factor={})
-    monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=one_bar))
+    one_bar = SimOptions(router_config=RouterConfig(dearest_priority_factor={}))
     one_bar_log: list[RequestRecord] = []
-    run_simulation(overload(), FLEET, admission="rate_limit", request_log=one_bar_log.append)
+    run_simulation(overload(), FLEET, admission="rate_limit", request_log=one_bar_log.append, options=one_bar)
     critical_refused = len(refused_first_steps(log, critical=True)[0])
     assert critical_refused < len(refused_first_steps(one_bar_log, critical=True)[0])
-    off = RouterConfig(dearest_task_factor=None)
-    monkeypatch.setattr(simulator_core, "RouterState", lambda: RouterState(config=off))
+    off = SimOptions(router_config=RouterConfig(dearest_task_factor=None))
     for admission, bound in (("rate_limit", 0.95), ("ripplemesh", 0.98)):
-        not_shedding = run_simulation(overload(), FLEET, admission=admission)
+        not_shedding = run_simulation(overload(), FLEET, admission=admission, options=off)
         cost = shedding[admission].cost_per_successful_task_usd
         assert cost is not None and not_shedding.cost_per_successful_task_usd is not None
         assert cost < bound * not_shedding.cost_per_successful_task_usd, admission

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from services.router.policy import RouterConfig
 from services.simulator.sweep import SweepPoint, cell_path, router_points, run_sweep, write_summary
 
 POLICIES = ("ripplemesh", "round_robin", "least_loaded")
@@ -92,6 +93,12 @@ def test_the_router_sweep_is_the_issue_comparison(tmp_path: Path) -> None:
         (["--only", "agentic-s0-x1$", "--policy", "round_robin", "--policy", "least_loaded"], "must include"),
         (["--only", "agentic-s0-x1$", "--admission", "bogus"], "unknown admission"),
         (["--only", "mooncake-w0-x4$", "--trace", "missing.jsonl"], "is not there"),
+        (["--only", "agentic-s0-x1$", "--router-config", "no_such_knob=1"], "unknown router config"),
+        (["--only", "agentic-s0-x1$", "--router-config", "dearest_gate=high"], "expected a number"),
+        (
+            ["--only", "agentic-s0-x1$", "--router-config", "latency_worth_usd_per_s=1"],
+            "unknown router config",
+        ),
     ],
 )
 def test_a_sweep_with_bad_options_says_what_is_wrong_and_runs_nothing(
@@ -113,3 +120,31 @@ def test_a_run_that_fails_stops_the_sweep_with_its_error_and_leaves_no_cell(tmp_
     with pytest.raises(ValueError, match="no_such_option"):
         run_sweep([bad], tmp_path, policies=("ripplemesh", "round_robin"), admissions=("ripplemesh",), jobs=1)
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_a_router_variant_remakes_only_ripplemesh_runs_made_with_another_config(tmp_path: Path) -> None:
+    point = POINTS[:1]
+    policies = ("ripplemesh", "round_robin")
+    first = run_sweep(point, tmp_path, policies=policies, admissions=("ripplemesh",), jobs=1)
+    ours = cell_path(tmp_path, POINTS[0], "ripplemesh", "ripplemesh")
+    theirs = cell_path(tmp_path, POINTS[0], "ripplemesh", "round_robin")
+    stamp = theirs.stat().st_mtime_ns
+    assert json.loads(ours.read_bytes())["router_config"] == {}
+
+    # A variant that never places: ripplemesh's run is made again, the baseline's is read.
+    variant = RouterConfig(min_success_probability=1.5)
+    second = run_sweep(
+        point, tmp_path, policies=policies, admissions=("ripplemesh",), jobs=1, router_config=variant
+    )
+    assert (second.ran, second.read) == (1, 1)
+    assert theirs.stat().st_mtime_ns == stamp
+    made = json.loads(ours.read_bytes())
+    assert made["router_config"] == {"min_success_probability": 1.5}
+    assert made["tasks_succeeded"] == 0 and made["rejections"].get("router:infeasible", 0) > 0
+    assert second.margins[0].cost_vs_best != first.margins[0].cost_vs_best
+
+    # The same variant again: nothing to make.
+    third = run_sweep(
+        point, tmp_path, policies=policies, admissions=("ripplemesh",), jobs=1, router_config=variant
+    )
+    assert (third.ran, third.read) == (0, 2)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from services.admission.policy import CONTROLS, AdmissionLimits, TenantQuota
+from services.simulator.options import convert, key_values
 
 DEFAULT_ADMISSION = "ripplemesh"
 
@@ -46,14 +47,6 @@ class AdmissionVariant:
 _LIMIT_FIELDS = {f.name: f.type for f in fields(AdmissionLimits) if f.name != "control"}
 
 
-def _number(key: str, value: str) -> Any:
-    kind = _LIMIT_FIELDS[key]
-    try:
-        return int(value) if kind in (int, "int") else float(value)
-    except ValueError:
-        raise ValueError(f"admission option {key}={value!r}: expected a number") from None
-
-
 def parse_admission(spec: str) -> AdmissionVariant:
     """`ripplemesh`, `rate_limit[:tokens_per_s=N,burst_s=S]`, `none`, each with AdmissionLimits
     fields as options."""
@@ -65,13 +58,9 @@ def parse_admission(spec: str) -> AdmissionVariant:
     tokens_per_s: float | None = None
     burst_s = 1.0
     changes: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep:
-            raise ValueError(f"admission option {item!r}: expected key=value")
+    for key, value in key_values(rest, "admission").items():
         if name == "rate_limit" and key in ("tokens_per_s", "burst_s"):
-            number = float(value)
+            number = convert(key, value, float, "admission")
             if number <= 0:
                 raise ValueError(f"admission option {key} must be > 0")
             if key == "tokens_per_s":
@@ -84,5 +73,6 @@ def parse_admission(spec: str) -> AdmissionVariant:
             raise ValueError(
                 f"unknown admission option {key!r}; known: {known} (rate_limit: tokens_per_s, burst_s)"
             )
-        changes[key] = _number(key, value.strip())
+        kind = _LIMIT_FIELDS[key]
+        changes[key] = convert(key, value, int if kind in (int, "int") else float, "admission")
     return AdmissionVariant(spec, replace(limits, **changes), tokens_per_s, burst_s)

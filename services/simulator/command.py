@@ -12,7 +12,7 @@ from services.simulator.core import SimOptions
 from services.simulator.fleet import parse_fleet
 from services.simulator.harness import compare
 from services.simulator.metrics import SimResult
-from services.simulator.policies import POLICY_NAMES
+from services.simulator.policies import POLICY_NAMES, parse_router_config
 from services.simulator.workload import AgenticWorkload, Workload, load_workload
 
 
@@ -56,9 +56,11 @@ def simulate(
     plots: bool = True,
     console: Console | None = None,
     admissions: Sequence[str] = (),
+    router_config: str | None = None,
 ) -> list[SimResult]:
     """Run every policy in `policies` (all of them when empty) under every admission variant in
-    `admissions` (ripplemesh's when empty; simulator/admission.py) on the workload and fleet."""
+    `admissions` (ripplemesh's when empty; simulator/admission.py) on the workload and fleet,
+    with ripplemesh's policy's knobs as `router_config` sets them (`key=value,...`)."""
     spec = workload
     if seed is not None and (spec == "agentic" or spec.startswith("agentic:")) and "seed=" not in spec:
         spec = f"{spec}{',' if ':' in spec else ':'}seed={seed}"
@@ -77,6 +79,7 @@ def simulate(
         slo_ttft_s=slo_ttft_s,
         slo_tpot_s=slo_tpot_s,
         prefix_upper_bound=upper_bound,
+        router_config=parse_router_config(router_config),
     )
     names = list(policies) or list(POLICY_NAMES)
     return compare(

@@ -35,7 +35,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.events import WorkflowSpend
@@ -55,12 +55,19 @@ from services.ledger import pricing
 from services.ledger import tasks as ledger_tasks
 from services.mesh.config import MeshConfig
 from services.router import policy as router_policy
-from services.router.policy import NoPlacement, RouteRequest, RouterState, WorkerSpeed, WorkerView
+from services.router.policy import (
+    NoPlacement,
+    RouterConfig,
+    RouteRequest,
+    RouterState,
+    WorkerSpeed,
+    WorkerView,
+)
 from services.router.speed import worker_speed
 from services.simulator.admission import DEFAULT_ADMISSION, AdmissionVariant, parse_admission
 from services.simulator.fleet import FleetSpec, PoolSpec
 from services.simulator.metrics import FleetSample, LatencySketch, SimResult, latency_stats, ratio
-from services.simulator.policies import FleetPrefixView, make_router
+from services.simulator.policies import FleetPrefixView, make_router, router_config_changes
 from services.simulator.worker import CANCELLED, DONE, FINISHED, PREFILLED, Seq, SimWorker
 from services.simulator.workload import Step, Task, Workload
 
@@ -99,6 +106,9 @@ class SimOptions:
     # each): the one metric whose memory grows with the workload. Off for the largest runs.
     prefix_upper_bound: bool = True
     progress_every: int = 2000  # tasks between progress callbacks
+    # ripplemesh's policy's knobs (and what admission's predictions read): the default's, or a
+    # variant's (`policies.parse_router_config`).
+    router_config: RouterConfig = field(default_factory=RouterConfig)
 
 
 class _TaskRun:
@@ -231,7 +241,7 @@ class Simulator:
         self.deferral = LatencySketch()
         self.by_tenant: dict[str, _TenantFigures] = {}
         self.slo_by_priority: dict[str, list[int]] = {}  # priority -> [met, issued]
-        self.router_state = RouterState()
+        self.router_state = RouterState(config=self.options.router_config)
         self.serving: dict[str, SimWorker] = {}  # workers that take (or finish) work
         self.all_workers: list[SimWorker] = []
         self.starting: dict[str, SimWorker] = {}
@@ -1118,6 +1128,7 @@ class Simulator:
             wall_s=wall_s,
             events=self.events,
             admission=self.admission_variant.name,
+            router_config=router_config_changes(self.options.router_config),
             deferred_requests=self.deferred,
             deferral_s=latency_stats(self.deferral),
             slo_by_priority={

@@ -168,6 +168,8 @@ class SimResult(msgspec.Struct, kw_only=True):
     deferral_s: LatencyStats | None = None
     slo_by_priority: dict[str, float | None] = msgspec.field(default_factory=dict)
     tenants: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    # The RouterConfig fields the run set otherwise than the default (`--router-config`).
+    router_config: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def label(self) -> str:

@@ -9,12 +9,22 @@ services import (tests/test_simulator.py patches a policy module and watches dec
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from services.engines.sim.blocks import EPOCH
 from services.router import baselines
 from services.router import policy as router_policy
-from services.router.policy import NoPlacement, Placement, PrefixView, RouteRequest, RouterState
+from services.router.policy import (
+    NoPlacement,
+    Placement,
+    PrefixView,
+    RouterConfig,
+    RouteRequest,
+    RouterState,
+)
+from services.simulator.options import convert, key_values
 from services.simulator.worker import SimWorker
 
 # (router state, the request as the router sees it, now) -> the decision.
@@ -276,3 +286,29 @@ def _baseline(name: str, prefix: PrefixView) -> Router:
 
 
 POLICY_NAMES: tuple[str, ...] = ("ripplemesh", *baselines.BASELINES)
+
+
+# RouterConfig's fields a run may set (`parse_router_config`): its numbers; the per-class
+# mappings stay as they are.
+_CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(RouterConfig) if "Mapping" not in str(f.type)}
+
+
+def parse_router_config(spec: str | None) -> RouterConfig:
+    """A variant of ripplemesh's policy: `key=value,...` over RouterConfig's number fields
+    (`none` turns off one that can be off), e.g. `dearest_task_factor=0.6,dearest_gate=-1`."""
+    changes: dict[str, Any] = {}
+    for key, value in key_values(spec or "", "router config").items():
+        if key not in _CONFIG_FIELDS:
+            raise ValueError(f"unknown router config {key!r}; known: {', '.join(_CONFIG_FIELDS)}")
+        changes[key] = convert(key, value, _CONFIG_FIELDS[key], "router config")
+    return dataclasses.replace(RouterConfig(), **changes)
+
+
+def router_config_changes(config: RouterConfig) -> dict[str, Any]:
+    """The fields `config` sets otherwise than the default: what a run's result records."""
+    default = RouterConfig()
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(RouterConfig)
+        if getattr(config, f.name) != getattr(default, f.name)
+    }

@@ -24,11 +24,12 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from services.router.policy import RouterConfig
 from services.simulator.command import parse_window, run_seed
 from services.simulator.core import SimOptions, run_simulation
 from services.simulator.fleet import parse_fleet
 from services.simulator.metrics import SimResult
-from services.simulator.policies import POLICY_NAMES
+from services.simulator.policies import POLICY_NAMES, router_config_changes
 from services.simulator.workload import load_workload
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,9 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
 
 
-def run_cell(point: SweepPoint, policy: str, admission: str, path: Path) -> Path:
+def run_cell(
+    point: SweepPoint, policy: str, admission: str, path: Path, router_config: RouterConfig | None = None
+) -> Path:
     """One simulator run, written to `path` (in a worker process)."""
     workload = load_workload(
         point.workload,
@@ -114,7 +117,7 @@ def run_cell(point: SweepPoint, policy: str, admission: str, path: Path) -> Path
         policy,
         # As `ripplemesh simulate` seeds it, so a cell gives that command's figures.
         seed=run_seed(workload),
-        options=SimOptions(prefix_upper_bound=False),
+        options=SimOptions(prefix_upper_bound=False, router_config=router_config or RouterConfig()),
         admission=admission,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,8 +197,11 @@ def run_sweep(
     admissions: Sequence[str] = DEFAULT_ADMISSIONS,
     jobs: int = 1,
     console: Console | None = None,
+    router_config: RouterConfig | None = None,
 ) -> Sweep:
-    """Run the cells not yet under `out` (in `jobs` processes), then compare every point."""
+    """Run the cells not yet under `out` (in `jobs` processes), then compare every point.
+    `router_config`: a variant of ripplemesh's policy, for its cells (a cell made with another
+    is made again); the baselines run with the default."""
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or OURS not in policies:
         raise ValueError(f"policies must include {OURS} and be among {', '.join(POLICY_NAMES)}")
@@ -204,7 +210,16 @@ def run_sweep(
     console = console or Console(stderr=True)
     sweep = Sweep()
     cells = [(pt, adm, pol) for pt in points for adm in admissions for pol in policies]
+    config = router_config or RouterConfig()
+    wanted = router_config_changes(config)
     found = {cell: read_cell(cell_path(out, *cell)) for cell in cells}
+    for (point, admission, policy), result in found.items():
+        if policy == OURS and result is not None and result.router_config != wanted:
+            console.print(
+                f"  {point.name} {admission}: ripplemesh's run was made with router config "
+                f"{result.router_config or 'default'}: making it again"
+            )
+            found[(point, admission, policy)] = None
     todo = [cell for cell, result in found.items() if result is None]
     sweep.read = len(cells) - len(todo)
     if todo:
@@ -212,7 +227,9 @@ def run_sweep(
         pool = ProcessPoolExecutor(max_workers=max(1, jobs))
         try:
             futures = {
-                pool.submit(run_cell, pt, pol, adm, cell_path(out, pt, adm, pol)): (pt, adm, pol)
+                pool.submit(
+                    run_cell, pt, pol, adm, cell_path(out, pt, adm, pol), config if pol == OURS else None
+                ): (pt, adm, pol)
                 for pt, adm, pol in todo
             }
             for done, future in enumerate(as_completed(futures), 1):

@@ -46,6 +46,7 @@ import msgspec
 from schemas.events import PriorityClass
 from services.admission.policy import TenantQuota
 from services.mesh.block_hash import chain_block_hashes, chain_seed
+from services.simulator.options import convert, key_values
 
 MOONCAKE_BLOCK_TOKENS = 512
 _MASK64 = (1 << 64) - 1
@@ -753,24 +754,6 @@ def random_prompt_hashes(model: str, block_size: int, blocks: int, salt: int) ->
 # ------------------------------------------------------------------ from a command-line spec
 
 
-def _parse_options(text: str) -> dict[str, str]:
-    options: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"expected key=value, got {item!r}")
-        options[key.strip().replace("-", "_")] = value.strip()
-    return options
-
-
-def _convert(value: str, kind: Any) -> Any:
-    if kind in (int, "int"):
-        return int(value)
-    if kind in (float, "float"):
-        return float(value)
-    return value
-
-
 def load_workload(
     spec: str,
     *,
@@ -789,7 +772,7 @@ def load_workload(
     if model is not None:
         common["model"] = model
     if spec == "agentic" or spec.startswith("agentic:"):
-        options = _parse_options(spec.partition(":")[2])
+        options = key_values(spec.partition(":")[2], "agentic")
         kinds = {
             "workflows": int,
             "rate_per_s": float,
@@ -810,7 +793,7 @@ def load_workload(
         unknown = sorted(set(options) - set(kinds))
         if unknown:
             raise ValueError(f"unknown agentic option(s) {', '.join(unknown)}; known: {', '.join(kinds)}")
-        values = {k: _convert(v, kinds[k]) for k, v in options.items()}
+        values = {k: convert(k, v, kinds[k], "agentic") for k, v in options.items()}
         if "tenants" in values:
             name = values.pop("tenants")
             if name not in TENANT_SETS:
