@@ -30,11 +30,11 @@ batch a dump is exactly as of):
 - stale: a batch for a worker that awaits a dump: held back (up to `max_pending`); when the dump
   comes, held batches after the dump's seq are applied on top of it. A dump older than the blocks
   the index holds is stale too, and ignored.
-- ahead: a batch more than `max_pending` past the batch the worker's blocks are as of: not held
-  (the batches between could not all be held to reach it), and the worker needs a dump, which
-  covers it. A dump likewise drops held batches that far past its own seq (`dropped_ahead` counts
-  them). Without this one bogus far-future seq kept a worker "not synced", and dumped again and
-  again, until its real numbering caught up.
+- ahead: a held batch more than `max_pending` past a dump's seq is dropped when the dump comes
+  (`dropped_ahead` counts them): the worker cannot have sent that many batches since its dump,
+  so the batch is bogus. Kept, one bogus far-future seq left a worker "not synced", and dumped
+  again and again, until its real numbering caught up. (A batch far past a stale base is held:
+  after a long outage the worker's next batches are far ahead of what the index last saw.)
 - mismatch: a block size other than the mesh's or a model other than the worker's: the worker's
   blocks are dropped (they cannot be trusted) and it needs a dump. A dump with a mismatched block
   size leaves the worker out of the index (`excluded`) until a dump that matches.
@@ -194,7 +194,7 @@ class KvIndex:
             raise ValueError("block_size must be at least 1")
         self.block_size = block_size
         self.max_pending = max_pending
-        # Held batches a dump dropped as too far past its seq (see "ahead" above), ever.
+        # Held batches dumps dropped as too far past their seq (see "ahead" above), ever.
         self.dropped_ahead = 0
         self._holders: dict[int, int] = {}
         self._workers: dict[str, _Worker] = {}
@@ -427,9 +427,9 @@ class KvIndex:
                 worker.seq = events.seq
                 return Outcome.APPLIED
             worker.synced = False
-            return Outcome.GAP if self._hold(worker, events) else Outcome.AHEAD
-        if not self._hold(worker, events):
-            return Outcome.AHEAD
+            self._hold(worker, events)
+            return Outcome.GAP
+        self._hold(worker, events)
         if worker.seq is None:
             return Outcome.STALE
         if not self._drain(worker):
@@ -545,15 +545,10 @@ class KvIndex:
         worker.synced = False
         worker.model = model
 
-    def _hold(self, worker: _Worker, events: KvEvents) -> bool:
-        """Hold a batch until the batches before it (or a dump) come; False when it is more
-        than `max_pending` past the worker's base, and so not held."""
-        if worker.seq is not None and events.seq > worker.seq + self.max_pending:
-            return False
+    def _hold(self, worker: _Worker, events: KvEvents) -> None:
         worker.pending[events.seq] = events
         if len(worker.pending) > self.max_pending:
             del worker.pending[min(worker.pending)]
-        return True
 
     def _drain(self, worker: _Worker) -> bool:
         """Apply held batches that continue the worker's base; synced again if none remain.
