@@ -216,8 +216,11 @@ class RouterConfig:
     # Under overload the router sheds the dearest new tasks first (`_dearest`): a task's first
     # step is refused as saturated when what its steps take from the fleet is above
     # `dearest_task_factor` x the typical new task's price x its chance of success, while the
-    # fleet is past keeping up (more than `dearest_gate` of recent first steps refused as not
-    # worth their cost, or the decode batch full). With the fleet's spend fixed, the GPU time
+    # fleet is past keeping up (more than `dearest_gate` of recent first steps refused for
+    # their cost, as not worth it or by this rule, or the decode batch full; counting the rule's
+    # own refusals keeps it armed while the overload lasts: agentic x20 behind the project's
+    # admission 12.0% under the best baseline against 7.9%, Mooncake x40 42.1% against 33.4%,
+    # pooled over the seeds; docs/router.md). With the fleet's spend fixed, the GPU time
     # goes to the tasks that take the least of it. Where admission only enforces quotas it is
     # the only shedding (agentic x20 under rate_limit: 27-33% under the best baseline, five
     # seeds); behind the project's admission, which sheds by priority and saturation, it still
@@ -259,7 +262,7 @@ class _NewTasks:
     """Decaying averages over the first steps of tasks the router decided (`_dearest`)."""
 
     price_usd: float | None = None  # a new task's full price: steps x its best option's cost
-    refused: float = 0.0  # the share refused as not worth their cost
+    refused: float = 0.0  # the share refused for their cost (as not worth it, or the dearest)
 
 
 @dataclass(slots=True)
@@ -1296,8 +1299,8 @@ def _dearest(
     `_NewTasks.price_usd` (steps x the best option's charged cost, a decaying average). Refused
     when steps x taken > `dearest_task_factor` x its class's `dearest_priority_factor` x
     typical x the task's chance of success, while the fleet is past keeping up: more than
-    `dearest_gate` of recent first steps refused as not worth their cost, or the best option's
-    decode batch full."""
+    `dearest_gate` of recent first steps refused for their cost (as not worth it, or by this
+    rule), or the best option's decode batch full."""
     config = state.config
     if config.dearest_task_factor is None:
         return refused
@@ -1323,9 +1326,13 @@ def _dearest(
     limit = bar * seen.price_usd * chance
     if taken <= limit:
         return None
+    # Refused for its cost: it counts toward the share that keeps the rule armed, as a refusal
+    # as not worth its cost does. Else the rule's own refusals, by easing the load, stop those
+    # refusals and disarm it while the overload lasts.
+    seen.refused += NEW_TASK_WEIGHT
     return NoPlacement(
         "saturated",
-        f"the fleet is past keeping up ({seen.refused:.1%} of recent new tasks were not worth "
+        f"the fleet is past keeping up ({seen.refused:.1%} of recent new tasks refused for "
         f"their cost; decode batch {decode.decodes - 1}/{limit_running}) and this task is among "
         f"the dearest: its {steps} step(s) would take ${taken:.6f} of the fleet's time, against "
         f"${limit:.6f} for a typical task at its chance ({chance:.3f}), x {bar:g} for its class",
