@@ -303,7 +303,7 @@ async def test_two_router_replicas_build_the_same_index_from_the_same_events(bus
 
 def kv_events_counted() -> float:
     """KV event batches the router has counted, whatever their outcome."""
-    outcomes = (*(outcome.value for outcome in Outcome), "invalid", "dead_worker", "error")
+    outcomes = (*(outcome.value for outcome in Outcome), "ahead", "invalid", "dead_worker", "error")
     return sum(counted("ripplemesh_router_kv_events_total", outcome) for outcome in outcomes)
 
 

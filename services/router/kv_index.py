@@ -30,10 +30,11 @@ batch a dump is exactly as of):
 - stale: a batch for a worker that awaits a dump: held back (up to `max_pending`); when the dump
   comes, held batches after the dump's seq are applied on top of it. A dump older than the blocks
   the index holds is stale too, and ignored.
-- ahead: a held batch more than `max_pending` past a dump's seq is dropped when the dump comes
-  (`dropped_ahead` counts them): the worker cannot have sent that many batches since its dump,
-  so the batch is bogus. Kept, one bogus far-future seq left a worker "not synced", and dumped
-  again and again, until its real numbering caught up. (A batch far past a stale base is held:
+- ahead (not an outcome of `apply`: the router counts it under this name): a held batch more
+  than `max_pending` past a dump's seq is dropped when the dump comes (`dropped_ahead` counts
+  them): the worker cannot have sent that many batches since its dump, so the batch is bogus.
+  Kept, one bogus far-future seq left a worker "not synced", and dumped again and again, until
+  its real numbering caught up. (A batch far past a stale base is held:
   after a long outage the worker's next batches are far ahead of what the index last saw.)
 - mismatch: a block size other than the mesh's or a model other than the worker's: the worker's
   blocks are dropped (they cannot be trusted) and it needs a dump. A dump with a mismatched block
@@ -81,7 +82,6 @@ class Outcome(StrEnum):
     UNKNOWN = "unknown"
     RESTARTED = "restarted"
     SUPERSEDED = "superseded"
-    AHEAD = "ahead"
 
 
 class DumpLike(Protocol):

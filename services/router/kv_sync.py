@@ -318,10 +318,10 @@ class KvSync:
                     dropped = self.index.dropped_ahead
                     outcome = self.index.apply_dump(dump).value
                     if dropped := self.index.dropped_ahead - dropped:
-                        KV_EVENTS.labels(Outcome.AHEAD.value).inc(dropped)
+                        KV_EVENTS.labels("ahead").inc(dropped)
                         self._note(
                             worker_id,
-                            Outcome.AHEAD.value,
+                            "ahead",
                             "held KV events too far past the dump's seq dropped",
                             dropped=dropped,
                             dump_seq=dump.seq,

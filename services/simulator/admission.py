@@ -73,6 +73,5 @@ def parse_admission(spec: str) -> AdmissionVariant:
             raise ValueError(
                 f"unknown admission option {key!r}; known: {known} (rate_limit: tokens_per_s, burst_s)"
             )
-        kind = _LIMIT_FIELDS[key]
-        changes[key] = convert(key, value, int if kind in (int, "int") else float, "admission")
+        changes[key] = convert(key, value, _LIMIT_FIELDS[key], "admission")
     return AdmissionVariant(spec, replace(limits, **changes), tokens_per_s, burst_s)
