@@ -62,15 +62,29 @@ def test_a_sweep_compares_every_point_with_its_cheapest_baseline_and_resumes(
     assert group["points"] == 2
     assert group["cheapest"] == sum(m.cost_vs_best < 0 for m in again.margins)
     # Pooled: each policy's spend over its successful tasks at both points.
-    pooled = {}
+    pooled, task_spend, idle = {}, {}, {}
     for policy in POLICIES:
         cells = [
             json.loads(cell_path(tmp_path, point, "ripplemesh", policy).read_bytes()) for point in POINTS
         ]
-        pooled[policy] = sum(c["total_spend_usd"] for c in cells) / sum(c["tasks_succeeded"] for c in cells)
+        spend = sum(c["total_spend_usd"] for c in cells)
+        succeeded = sum(c["tasks_succeeded"] for c in cells)
+        pooled[policy] = spend / succeeded
+        task_spend[policy] = sum(c["successful_spend_usd"] for c in cells) / succeeded
+        idle[policy] = sum(c["idle_spend_usd"] for c in cells) / spend
     best = min(("round_robin", "least_loaded"), key=lambda p: pooled[p])
     assert group["pooled_best"] == best
     assert group["pooled_cost_vs_best"] == pytest.approx(pooled["ripplemesh"] / pooled[best] - 1)
+    # Where the spend went: idle, and what a successful task took itself, against that baseline.
+    assert (group["idle_share"], group["best_idle_share"]) == pytest.approx((idle["ripplemesh"], idle[best]))
+    assert 0 < group["idle_share"] < 1
+    assert group["task_spend_vs_best"] == pytest.approx(task_spend["ripplemesh"] / task_spend[best] - 1)
+    assert group["nothing_wasted_vs_best"] == pytest.approx(task_spend["ripplemesh"] / pooled[best] - 1)
+    assert group["nothing_wasted_vs_best"] < group["pooled_cost_vs_best"]
+    (spend_row,) = [
+        line for line in markdown_path.read_text().splitlines() if line.startswith("| agentic-x4")
+    ][1:]
+    assert f"{group['nothing_wasted_vs_best']:+.2%}" in spend_row
     rows = [line for line in markdown_path.read_text().splitlines() if line.startswith("| agentic-s")]
     assert len(rows) == 2
     for row, margin in zip(rows, again.margins, strict=True):

@@ -161,12 +161,20 @@ class PolicyTotals:
     """A policy's runs at the points of one rate (a group) under one admission, added up."""
 
     spend_usd: float = 0.0
+    # The spend's three parts: GPU time no request used, GPU time of tasks that failed, and
+    # GPU time (and KV transfers) of tasks that succeeded.
+    idle_usd: float = 0.0
+    wasted_usd: float = 0.0
+    successful_usd: float = 0.0
     succeeded: int = 0
     slo_sum: float = 0.0
     points: int = 0
 
     def add(self, result: SimResult) -> None:
         self.spend_usd += result.total_spend_usd
+        self.idle_usd += result.idle_spend_usd
+        self.wasted_usd += result.wasted_spend_usd
+        self.successful_usd += result.successful_spend_usd
         self.succeeded += result.tasks_succeeded
         self.slo_sum += result.slo["attainment"] or 0.0
         self.points += 1
@@ -178,6 +186,14 @@ class PolicyTotals:
     @property
     def mean_slo(self) -> float:
         return self.slo_sum / self.points if self.points else 0.0
+
+    @property
+    def task_spend(self) -> float:
+        """What a successful task took itself: the spend on successful tasks over them."""
+        return self.successful_usd / self.succeeded if self.succeeded else float("inf")
+
+    def share(self, part_usd: float) -> float:
+        return part_usd / self.spend_usd if self.spend_usd else 0.0
 
 
 @dataclass(slots=True)
@@ -297,6 +313,17 @@ class GroupSummary:
     pooled_cost_vs_best: float  # ripplemesh's pooled cost / the cheapest baseline's pooled - 1
     pooled_best: str
     mean_slo_vs_best_pp: float  # its SLO over the points, less the best baseline's, in pp
+    # Where the pooled spend went, ripplemesh's and that baseline's: the share idle and the share
+    # on failed tasks; what a successful task took itself against the baseline's; and
+    # ripplemesh's margin were nothing idle or wasted (its successful tasks' own spend against
+    # the baseline's whole cost per success): the most a router that wastes nothing gains
+    # without taking cheaper tasks or running them more cheaply.
+    idle_share: float
+    wasted_share: float
+    best_idle_share: float
+    best_wasted_share: float
+    task_spend_vs_best: float
+    nothing_wasted_vs_best: float
 
 
 def summarise(sweep: Sweep) -> list[GroupSummary]:
@@ -309,6 +336,7 @@ def summarise(sweep: Sweep) -> list[GroupSummary]:
         ours = totals[OURS]
         baselines = {name: t for name, t in totals.items() if name != OURS}
         pooled_best = min(baselines, key=lambda name: baselines[name].cost_per_success)
+        best = baselines[pooled_best]
         summaries.append(
             GroupSummary(
                 group,
@@ -320,9 +348,15 @@ def summarise(sweep: Sweep) -> list[GroupSummary]:
                 sum(m.slo_pp >= 0 for m in rows),
                 statistics.fmean(m.slo_pp for m in rows),
                 sum(m.critical_succeeded for m in rows),
-                ours.cost_per_success / baselines[pooled_best].cost_per_success - 1,
+                ours.cost_per_success / best.cost_per_success - 1,
                 pooled_best,
                 (ours.mean_slo - max(t.mean_slo for t in baselines.values())) * 100,
+                ours.share(ours.idle_usd),
+                ours.share(ours.wasted_usd),
+                best.share(best.idle_usd),
+                best.share(best.wasted_usd),
+                ours.task_spend / best.task_spend - 1,
+                ours.task_spend / best.cost_per_success - 1,
             )
         )
     return summaries
@@ -370,7 +404,26 @@ def sweep_tables(sweep: Sweep) -> list[Table]:
         f"cheapest in {cheapest} of {len(sweep.margins)} runs; SLO at least the best baseline's in "
         f"{slo_met} of {len(sweep.margins)}"
     )
-    return [points, groups]
+    spend = Table(title="where the pooled spend went: ripplemesh / the pooled cheapest baseline")
+    for column in SPEND_COLUMNS:
+        spend.add_column(column, justify="left" if column in ("rate", "admission") else "right")
+    for g in summarise(sweep):
+        spend.add_row(*_spend_cells(g))
+    return [points, groups, spend]
+
+
+SPEND_COLUMNS = ("rate", "admission", "idle", "failed tasks", "per successful task", "nothing wasted")
+
+
+def _spend_cells(g: GroupSummary) -> tuple[str, ...]:
+    return (
+        g.group,
+        g.admission,
+        f"{g.idle_share:.1%} / {g.best_idle_share:.1%}",
+        f"{g.wasted_share:.1%} / {g.best_wasted_share:.1%}",
+        f"{g.task_spend_vs_best:+.2%}",
+        f"{g.nothing_wasted_vs_best:+.2%}",
+    )
 
 
 def write_summary(sweep: Sweep, out: Path) -> list[Path]:
@@ -405,6 +458,8 @@ def write_summary(sweep: Sweep, out: Path) -> list[Path]:
             f"{g.pooled_cost_vs_best:+.2%} {g.pooled_best} | {g.mean_slo_vs_best_pp:+.2f} pp | "
             f"{g.critical_succeeded:,} |"
         )
+    lines += ["", "| " + " | ".join(SPEND_COLUMNS) + " |", "|" + "---|" * len(SPEND_COLUMNS)]
+    lines += ["| " + " | ".join(_spend_cells(g)) + " |" for g in groups]
     as_markdown = out / "summary.md"
     as_markdown.write_text("\n".join(lines) + "\n")
     return [as_json, as_markdown]
