@@ -13,6 +13,7 @@ import pytest
 from services.router import policy
 from services.router.policy import (
     DEFAULT_SPEED,
+    NO_WORKERS_RETRY_S,
     NoPlacement,
     NoPrefix,
     Placement,
@@ -21,6 +22,7 @@ from services.router.policy import (
     RouterState,
     WorkerSpeed,
     WorkerView,
+    earliest_first_token,
     earliest_ttft,
     place,
 )
@@ -353,6 +355,41 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     hopeless = place(idle, request("r2", deadline_in=3.0, workflow_step=1, **task), FixedPrefix(), NOW)
     assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
     assert "no placement meets the deadline" in hopeless.message
+
+
+def test_a_saturated_refusal_says_when_the_fleet_will_have_room() -> None:
+    # The same new 4-step task, refused as not worth its cost on fleets with 60k and 240k prompt
+    # tokens queued on each worker (its deadline moved by the wait, so its chance is alike). Its
+    # Retry-After is the wait for the prompts queued ahead of it: what admission reads as the
+    # fleet's load (`earliest_first_token`), four times as long behind four times the backlog.
+    task = {"output": 300, "workflow_id": "wf", "workflow_steps": 4}
+    waits = []
+    for queued in (60_000, 240_000):
+        busy = {"used": TOTAL // 2, "queued": queued, "running": 30}
+        probe = request(deadline_in=60.0, workflow_step=1, **task)
+        first = earliest_first_token(
+            state_of(view("a", **busy), view("b", **busy)), probe, FixedPrefix(), NOW
+        )
+        assert first is not None
+        refused = place(
+            state_of(view("a", **busy), view("b", **busy)),
+            request(deadline_in=8.6 + first.wait_s, workflow_step=1, **task),
+            FixedPrefix(),
+            NOW,
+        )
+        assert isinstance(refused, NoPlacement) and refused.reason == "saturated", refused
+        assert refused.retry_after_s == pytest.approx(first.wait_s, rel=0.01)
+        waits.append(refused.retry_after_s)
+    assert waits[1] > 3.5 * waits[0] and waits[0] > 1.5
+    # Retrying cannot meet a deadline no placement meets; a fleet with no worker for the model
+    # may have one after a heartbeat or two.
+    busy = {"used": TOTAL // 2, "queued": 60_000, "running": 30}
+    hopeless = place(state_of(view("a", **busy)), request(deadline_in=1.0, **task), FixedPrefix(), NOW)
+    assert isinstance(hopeless, NoPlacement) and hopeless.reason == "infeasible"
+    assert hopeless.retry_after_s is None
+    nobody = place(RouterState(), request(deadline_in=60.0, **task), FixedPrefix(), NOW)
+    assert isinstance(nobody, NoPlacement) and nobody.reason == "no_workers"
+    assert nobody.retry_after_s == NO_WORKERS_RETRY_S
 
 
 def test_with_the_gate_set_no_new_workflow_while_the_decode_batches_are_past_their_knee() -> None:

@@ -347,6 +347,7 @@ async def test_every_decision_is_an_event_with_its_predictions_and_is_counted(
             # The client hears why: no placement meets its deadline, and retrying cannot help.
             assert collected.rejections[late.request_id].reason == "deadline"
             assert collected.rejections[late.request_id].retry_after_s is None
+            assert collected.rejections[mismatched.request_id].retry_after_s is None
             assert not {mismatched.request_id, late.request_id} & set(collected.work)
             assert (
                 counter("ripplemesh_router_prediction_error_cached_tokens_count", direction="under")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.router import policy
-from services.router.policy import NoPlacement, Placement, PrefixView, RouterState, WorkerView
+from services.router.policy import NoPlacement, Placement, PrefixView, RouterState, WorkerView, no_workers
 
 __all__ = [
     "BASELINES",
@@ -87,7 +87,7 @@ def _place(
                 f"worker(s) {', '.join(mismatched)} use another size; refusing to route",
             )
     if not decoders:
-        return NoPlacement("no_workers", f"no live decode worker serves model {model!r}")
+        return no_workers(model)
     decode, decode_load = pick_decode(decoders)
     _count(state, decode.worker_id)
     if not prefillers:

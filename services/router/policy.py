@@ -543,6 +543,21 @@ class NoPlacement:
     # now (its chance against what it would take from other work); later it may be.
     reason: Literal["no_workers", "invalid", "infeasible", "saturated"]
     message: str
+    # When a retry may be placed, in seconds (the rejection's Retry-After); None: retrying cannot
+    # help. Saturated: when the work queued ahead of the request's likeliest placement is
+    # predicted done (`_room_in`); no worker: a heartbeat or two, for one to announce itself.
+    retry_after_s: float | None = None
+
+
+NO_WORKERS_RETRY_S = 5.0
+# A saturated refusal's Retry-After is at least a second (the ingress's HTTP header is whole
+# seconds) and at most a minute: past that the prediction says little, and the client should ask
+# again rather than wait out a guess.
+RETRY_AFTER_BOUNDS_S = (1.0, 60.0)
+
+
+def no_workers(model: str) -> NoPlacement:
+    return NoPlacement("no_workers", f"no live decode worker serves model {model!r}", NO_WORKERS_RETRY_S)
 
 
 # ------------------------------------------------------------------ load (also the baselines')
@@ -1178,7 +1193,7 @@ def _score(
     candidates = _candidates(state, request, matched, now)
     decoders = candidates["decode"]
     if not decoders:
-        return NoPlacement("no_workers", f"no live decode worker serves model {request.model!r}")
+        return no_workers(request.model)
     prefillers = candidates["prefill"]
     options: list[_Option] = []
     decode_sides = []
@@ -1262,6 +1277,7 @@ def _refuse(
             f"{min(o.tpot_s for o in options) * 1000:.0f} ms a token (the bound is "
             f"{(config.new_task_max_tpot_s or 0.0) * 1000:.0f} ms); its steps would only slow "
             "those in flight",
+            _room_in(options),
         )
     hopeless = task_probability < config.min_success_probability
     reason = (
@@ -1272,7 +1288,20 @@ def _refuse(
     )
     if left:
         reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
-    return NoPlacement("infeasible" if hopeless else "saturated", reason + f" (needs {floor:.3f})")
+    if hopeless:
+        return NoPlacement("infeasible", reason + f" (needs {floor:.3f})")
+    return NoPlacement("saturated", reason + f" (needs {floor:.3f})", _room_in(options))
+
+
+def _room_in(options: list[_Option]) -> float:
+    """When the fleet is predicted to have room for the request: the least, over its options,
+    of the wait for the prompts queued ahead of its prefill and for KV room on its decode
+    worker (its own prefill and load are not waiting), within `RETRY_AFTER_BOUNDS_S`."""
+    low, high = RETRY_AFTER_BOUNDS_S
+    wait = min(
+        max(o.ttft_s - o.prefill.own_prefill_s - o.prefill.cold_s, o.decode.kv_ready_s) for o in options
+    )
+    return min(high, max(low, wait))
 
 
 def _overloaded(config: RouterConfig, request: RouteRequest, options: list[_Option]) -> bool:
@@ -1336,6 +1365,7 @@ def _dearest(
         f"their cost; decode batch {decode.decodes - 1}/{limit_running}) and this task is among "
         f"the dearest: its {steps} step(s) would take ${taken:.6f} of the fleet's time, against "
         f"${limit:.6f} for a typical task at its chance ({chance:.3f}), x {bar:g} for its class",
+        _room_in(options),
     )
 
 

@@ -346,9 +346,7 @@ class RouterService:
             reason=REJECTION_REASONS[decision.reason],
             message=decision.message,
             http_status=500 if decision.reason == "invalid" else 503,
-            # No placement can meet the deadline: retrying cannot help. A saturated fleet or
-            # none at all: it may, later.
-            retry_after_s=None if decision.reason in ("infeasible", "invalid") else 5.0,
+            retry_after_s=decision.retry_after_s,
             seq=first_seq(event.request),  # a migrated request's stream is past seq 0
         )
 
