@@ -258,6 +258,8 @@ class KvEventTranslator:
         self._known.move_to_end(vllm_hash)
         while len(self._known) > self.max_entries:
             self._known.popitem(last=False)
+        if self._pending:
+            self._dirty = True  # a block held for want of this parent can now be resolved
         if vllm_hash not in self._cached:
             self._cached[vllm_hash] = project_hash
             refs = self._refs.get(project_hash, 0)
@@ -299,13 +301,13 @@ class KvEventTranslator:
     def _retry_pending(self) -> None:
         now = time.monotonic()
         progress = self._dirty
-        self._dirty = False
         while progress and self._pending:
             progress = False
             for vllm_hash, pending in list(self._pending.items()):
                 if self._resolve(vllm_hash, pending.parent, pending.tokens):
                     del self._pending[vllm_hash]
                     progress = True
+        self._dirty = False  # (set again by the resolutions above: the loop ran until none)
         while self._pending:
             vllm_hash, pending = next(iter(self._pending.items()))
             if now - pending.since < _PENDING_TTL_S:
