@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 import random
 import time
 import uuid
@@ -48,7 +49,14 @@ from services.mesh.workflow_spend_view import WorkflowSpendView
 from services.router import reporting
 from services.router.feedback import count_peer_placement
 from services.router.kv_index import KvIndex
-from services.router.policy import NoPlacement, RouterConfig, RouterState, place
+from services.router.policy import (
+    NoPlacement,
+    NoPrefix,
+    RouterConfig,
+    RouterState,
+    earliest_first_token,
+    place,
+)
 from services.router.service import REJECTION_REASONS, RouterService, route_request, view_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,8 +135,11 @@ class Fleet:
         for sub in self._subs:
             await sub.unsubscribe()
 
-    def state(self, worker_id: str, *, queue_depth: int = 0, block_size: int = BLOCK_SIZE) -> WorkerState:
-        return WorkerState(
+    def state(
+        self, worker_id: str, *, queue_depth: int = 0, block_size: int = BLOCK_SIZE, **load: int
+    ) -> WorkerState:
+        """A heartbeat; `load` sets its other load fields (queued_tokens, running, ...)."""
+        state = WorkerState(
             event_id=new_event_id(),
             occurred_at=time.time(),
             worker_id=worker_id,
@@ -147,10 +158,12 @@ class Fleet:
             tokens_per_s=0.0,
             started_at=self.started_at,
         )
+        return msgspec.structs.replace(state, **load) if load else state
 
-    async def heartbeat(self, **queue_depths: int) -> list[WorkerState]:
+    async def heartbeat(self, load: dict[str, int] | None = None, **queue_depths: int) -> list[WorkerState]:
+        """Every worker's heartbeat: its queue depth by name, and `load`'s other fields for all."""
         kv = await self.bus.key_value(WORKERS)
-        states = [self.state(w, queue_depth=queue_depths.get(w, 0)) for w in self.ids]
+        states = [self.state(w, queue_depth=queue_depths.get(w, 0), **(load or {})) for w in self.ids]
         for state in states:
             await kv.put(state.worker_id, encode_event(state))
         return states
@@ -451,6 +464,39 @@ async def test_the_workflows_spend_reaches_the_decision(
             await eventually(lambda: router.workflow_spend.spent(running.workflow_id) == 2.5)
             await spend_kv.delete(running.workflow_id)
             await eventually(lambda: router.workflow_spend.spent(running.workflow_id) == 0.0)
+    finally:
+        await fleet.stop()
+
+
+async def test_a_saturated_refusal_tells_the_client_when_to_retry(
+    bus: Bus, own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
+) -> None:
+    # Both workers have 240k prompt tokens queued: a new 4-step workflow whose deadline it would
+    # likely but not surely meet is not worth its cost there. The client gets a capacity
+    # rejection (503) whose Retry-After is the predicted wait for the prompts queued ahead of it.
+    rng = random.Random(17)
+    fleet = await Fleet(bus, "sat", 2).start()
+    collected = await Collected().start(bus)
+    try:
+        async with router_replica(own_nats.url, load_config(test_config), tmp_path) as router:
+            await fleet.heartbeat({"queued_tokens": 240_000, "running": 30, "kv_blocks_used": 15_000})
+            await eventually(lambda: set(fleet.ids) <= set(router.state.workers))
+            task = WorkflowRef(workflow_id=f"wf-{uuid.uuid4().hex[:6]}", step=1, steps=4)
+            probe = inference_request(random_tokens(rng, 64), max_tokens=300, workflow=task)
+            prefix = router.kv_index if router.kv_index is not None else NoPrefix()
+            first = earliest_first_token(router.state, route_request(probe), prefix, time.time())
+            assert first is not None and first.wait_s > 5.0  # longer than the old fixed 5 s
+            # A deadline the policy, on a copy of the router's state, refuses as saturated.
+            request = msgspec.structs.replace(probe, deadline_at=time.time() + first.wait_s + 8.6)
+            expected = place(copy.deepcopy(router.state), route_request(request), prefix, time.time())
+            assert isinstance(expected, NoPlacement) and expected.reason == "saturated", expected
+            await admit(bus, request)
+            await eventually(lambda: request.request_id in collected.rejections)
+            rejection = collected.rejections[request.request_id]
+            assert (rejection.stage, rejection.reason) == ("router", "capacity")  # a 503 at ingress
+            assert collected.decisions[request.request_id].outcome == "saturated"
+            assert rejection.retry_after_s == pytest.approx(first.wait_s, rel=0.05)
+            assert request.request_id not in collected.work
     finally:
         await fleet.stop()
 

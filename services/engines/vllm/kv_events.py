@@ -307,7 +307,7 @@ class KvEventTranslator:
                 if self._resolve(vllm_hash, pending.parent, pending.tokens):
                     del self._pending[vllm_hash]
                     progress = True
-        self._dirty = False  # (set again by the resolutions above: the loop ran until none)
+        self._dirty = False  # the resolutions above set it again; the loop already ran until none was left
         while self._pending:
             vllm_hash, pending = next(iter(self._pending.items()))
             if now - pending.since < _PENDING_TTL_S:
