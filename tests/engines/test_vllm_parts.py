@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from services.engines.base import KvBlockEvent
-from services.engines.vllm.accounting import SchedulerView, ShareClock, Throughput
+from services.engines.vllm.accounting import SchedulerView, SequenceLoad, ShareClock, Throughput, batch_load
 from services.engines.vllm.kv_events import (
     Cleared,
     KvEventTranslator,
@@ -156,6 +156,17 @@ def test_blocks_the_router_cannot_use_are_not_reported(event: dict[str, object])
     assert kv.drain() == [] and kv.cached_count == 0
 
 
+def test_a_prompts_cached_prefix_is_its_leading_blocks_the_cache_holds() -> None:
+    tokens, ours = prompt(3)
+    kv = KvEventTranslator(BS, MODEL)
+    kv.register(tokens, ours)
+    assert kv.cached_prefix_blocks(ours) == 0
+    kv.feed([Stored((901, 902), None, tuple(tokens[: 2 * BS]), BS)])
+    assert kv.cached_prefix_blocks(ours) == 2
+    kv.feed([Removed((901,))])  # the first block gone: nothing of the prefix is usable
+    assert kv.cached_prefix_blocks(ours) == 0 and kv.cached_count == 1
+
+
 def test_a_lost_batch_resets_what_is_believed_cached() -> None:
     tokens, ours = prompt(2)
     kv = KvEventTranslator(BS, MODEL)
@@ -205,3 +216,19 @@ def test_throughput_is_tokens_over_the_window() -> None:
     assert rate.rate(2.0) == pytest.approx(50.0)
     assert rate.rate(5.5) == pytest.approx(30.0)  # the first fell out of the window
     assert rate.rate(20.0) == 0.0
+
+
+def test_the_batch_load_counts_prompts_to_prefill_and_the_decoding_context() -> None:
+    sequences = [
+        SequenceLoad(1000, 0, first_token_out=False, needs_prefill=True, cached_prompt_tokens=640),
+        SequenceLoad(64, 0, first_token_out=False, needs_prefill=True, cached_prompt_tokens=64),
+        SequenceLoad(500, 0, first_token_out=False, needs_prefill=False),  # its KV was pulled
+        SequenceLoad(300, 20, first_token_out=True, needs_prefill=True),
+        SequenceLoad(200, 5, first_token_out=True, needs_prefill=False),
+    ]
+    # To prefill: 360 uncached tokens, and the one token a fully cached prompt still computes.
+    # Decoding: the prompts and tokens of the two whose first token is out.
+    assert batch_load(sequences, queue_depth=2, running=2) == (361, 525)
+    # The scheduler's counts may be a step ahead: each waiting or running request counts at
+    # least one token.
+    assert batch_load([], queue_depth=3, running=4) == (3, 4)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,3 +123,30 @@ class SchedulerView:
         self.kv_usage = float(usage or 0.0)
         self.seen = True
         self.share.step(now, self.running)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceLoad:
+    """What one of the engine's unfinished requests holds or still needs of the GPU."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    first_token_out: bool  # its prefill is done: it decodes in the running batch
+    needs_prefill: bool  # False for a sequence whose KV was pulled from another worker
+    cached_prompt_tokens: int = 0  # the prompt's leading tokens the prefix cache holds
+
+
+def batch_load(sequences: Iterable[SequenceLoad], *, queue_depth: int, running: int) -> tuple[int, int]:
+    """(queued_tokens, context_tokens) for the snapshot: the prompt tokens still to prefill (the
+    uncached part, at least the one token every prefill computes) and the KV tokens of the
+    decoding batch. vLLM does not report them, so they come from the engine's own requests
+    (every request in its AsyncLLM came through it). Each is at least what the scheduler's counts
+    imply (a token per waiting request, one per running one), which can run a step ahead of the
+    engine's view of its requests."""
+    queued = context = 0
+    for seq in sequences:
+        if seq.first_token_out:
+            context += seq.prompt_tokens + seq.generated_tokens
+        elif seq.needs_prefill:
+            queued += max(1, seq.prompt_tokens - seq.cached_prompt_tokens)
+    return max(queued, queue_depth), max(context, running)

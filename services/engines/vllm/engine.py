@@ -57,7 +57,7 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -73,7 +73,13 @@ from services.engines.base import (
     PrefillResult,
     check_request,
 )
-from services.engines.vllm.accounting import SchedulerView, ShareClock, Throughput
+from services.engines.vllm.accounting import (
+    SchedulerView,
+    SequenceLoad,
+    ShareClock,
+    Throughput,
+    batch_load,
+)
 from services.engines.vllm.kv_events import KvEventTranslator, ZmqKvEventSubscriber
 from services.engines.vllm.loader import VllmApi, load_vllm
 
@@ -478,7 +484,23 @@ class VllmEngine:
         }
         if "preemptions" in _SNAPSHOT_FIELDS:
             fields["preemptions"] = view.preemptions
+        fields["queued_tokens"], fields["context_tokens"] = batch_load(
+            self._sequence_loads(), queue_depth=queue, running=running
+        )
         return EngineSnapshot(**fields)
+
+    def _sequence_loads(self) -> Iterator[SequenceLoad]:
+        size = self.info.block_size
+        for seq in self._seqs.values():
+            if seq.finished:
+                continue
+            request = seq.request
+            out = seq.first_out_at is not None
+            needs_prefill = seq.kind != "imported"
+            cached = 0
+            if not out and needs_prefill:
+                cached = self._kv.cached_prefix_blocks(request.block_hashes) * size
+            yield SequenceLoad(len(request.prompt_tokens), len(seq.engine_tokens), out, needs_prefill, cached)
 
     def detokenize(self, token_ids: list[int]) -> str:
         offered, self._pending_text = self._pending_text, None

@@ -322,6 +322,15 @@ class KvEventTranslator:
     def cached(self) -> list[int]:
         return list(self._refs)
 
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (by project hash) the prefix cache holds."""
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._refs:
+                break
+            count += 1
+        return count
+
     @property
     def cached_count(self) -> int:
         return len(self._refs)
