@@ -324,12 +324,22 @@ class GroupSummary:
     best_wasted_share: float
     task_spend_vs_best: float
     nothing_wasted_vs_best: float
+    # ripplemesh under this admission against the cheapest baseline under any admission of the
+    # sweep (pooled): the whole system against the baselines as they could be deployed, the
+    # project's admission or none of it.
+    any_admission_cost_vs_best: float
+    any_admission_best: str  # "<policy> (<admission>)"
 
 
 def summarise(sweep: Sweep) -> list[GroupSummary]:
     groups: dict[tuple[str, str], list[Margin]] = {}
     for margin in sweep.margins:
         groups.setdefault((margin.group, margin.admission), []).append(margin)
+    anywhere: dict[str, tuple[float, str]] = {}  # group -> the cheapest baseline under any admission
+    for (group, admission), totals in sweep.totals.items():
+        for name, t in totals.items():
+            if name != OURS and t.cost_per_success < anywhere.get(group, (float("inf"), ""))[0]:
+                anywhere[group] = (t.cost_per_success, f"{name} ({admission})")
     summaries = []
     for (group, admission), rows in groups.items():
         totals = sweep.totals[(group, admission)]
@@ -337,6 +347,7 @@ def summarise(sweep: Sweep) -> list[GroupSummary]:
         baselines = {name: t for name, t in totals.items() if name != OURS}
         pooled_best = min(baselines, key=lambda name: baselines[name].cost_per_success)
         best = baselines[pooled_best]
+        cheapest_anywhere, anywhere_name = anywhere[group]
         summaries.append(
             GroupSummary(
                 group,
@@ -357,6 +368,8 @@ def summarise(sweep: Sweep) -> list[GroupSummary]:
                 best.share(best.wasted_usd),
                 ours.task_spend / best.task_spend - 1,
                 ours.task_spend / best.cost_per_success - 1,
+                ours.cost_per_success / cheapest_anywhere - 1,
+                anywhere_name,
             )
         )
     return summaries
@@ -412,7 +425,15 @@ def sweep_tables(sweep: Sweep) -> list[Table]:
     return [points, groups, spend]
 
 
-SPEND_COLUMNS = ("rate", "admission", "idle", "failed tasks", "per successful task", "nothing wasted")
+SPEND_COLUMNS = (
+    "rate",
+    "admission",
+    "idle",
+    "failed tasks",
+    "per successful task",
+    "nothing wasted",
+    "vs any admission",
+)
 
 
 def _spend_cells(g: GroupSummary) -> tuple[str, ...]:
@@ -423,6 +444,7 @@ def _spend_cells(g: GroupSummary) -> tuple[str, ...]:
         f"{g.wasted_share:.1%} / {g.best_wasted_share:.1%}",
         f"{g.task_spend_vs_best:+.2%}",
         f"{g.nothing_wasted_vs_best:+.2%}",
+        f"{g.any_admission_cost_vs_best:+.2%} {g.any_admission_best}",
     )
 
 
