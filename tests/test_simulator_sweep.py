@@ -74,6 +74,8 @@ def test_a_sweep_compares_every_point_with_its_cheapest_baseline_and_resumes(
         idle[policy] = sum(c["idle_spend_usd"] for c in cells) / spend
     best = min(("round_robin", "least_loaded"), key=lambda p: pooled[p])
     assert group["pooled_best"] == best
+    figures = summary["pooled"]["agentic-x4 ripplemesh"]
+    assert {p: figures[p]["cost_per_success_usd"] for p in POLICIES} == pytest.approx(pooled)
     assert group["pooled_cost_vs_best"] == pytest.approx(pooled["ripplemesh"] / pooled[best] - 1)
     # Where the spend went: idle, and what a successful task took itself, against that baseline.
     assert (group["idle_share"], group["best_idle_share"]) == pytest.approx((idle["ripplemesh"], idle[best]))

@@ -453,7 +453,24 @@ def write_summary(sweep: Sweep, out: Path) -> list[Path]:
     them: a cell per point, a bold cost where a baseline is cheaper, a bold SLO where one is
     better)."""
     groups = summarise(sweep)
-    body = {"points": [asdict(m) for m in sweep.margins], "groups": [asdict(g) for g in groups]}
+    # Every policy's pooled figures per rate and admission, for comparisons the tables do not make.
+    pooled = {
+        f"{group} {admission}": {
+            name: {
+                "cost_per_success_usd": t.cost_per_success,
+                "mean_slo": t.mean_slo,
+                "succeeded": t.succeeded,
+                "spend_usd": t.spend_usd,
+            }
+            for name, t in totals.items()
+        }
+        for (group, admission), totals in sweep.totals.items()
+    }
+    body = {
+        "points": [asdict(m) for m in sweep.margins],
+        "groups": [asdict(g) for g in groups],
+        "pooled": pooled,
+    }
     as_json = out / "summary.json"
     as_json.write_bytes(msgspec.json.format(msgspec.json.encode(body), indent=2))
     lines = [
