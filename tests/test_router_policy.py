@@ -380,6 +380,10 @@ def test_a_saturated_refusal_says_when_the_fleet_will_have_room() -> None:
         assert isinstance(refused, NoPlacement) and refused.reason == "saturated", refused
         assert refused.retry_after_s == pytest.approx(first.wait_s, rel=0.01)
         waits.append(refused.retry_after_s)
+        shown = span_attributes(
+            refused, policy="ripplemesh", replica="r", decision_s=0.0, workflow_spent_usd=0.0
+        )
+        assert shown["ripple.router.retry_after_s"] == refused.retry_after_s  # on the trace too
     assert waits[1] > 3.5 * waits[0] and waits[0] > 1.5
     # Retrying cannot meet a deadline no placement meets; a fleet with no worker for the model
     # may have one after a heartbeat or two.

@@ -144,6 +144,8 @@ def span_attributes(
     if isinstance(decision, NoPlacement):
         attributes["ripple.router.outcome"] = decision.reason
         attributes["ripple.router.message"] = decision.message
+        if decision.retry_after_s is not None:
+            attributes["ripple.router.retry_after_s"] = decision.retry_after_s
         return attributes
     chosen = chosen_option(decision)
     attributes.update(
