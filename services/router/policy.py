@@ -827,9 +827,7 @@ def _side(
     elif fig.free is not None:
         evicted = max(0, min(need, need - fig.free))
     # Loading what it lacks (`_cold_seconds`).
-    cold = 0.0 if worker.warm else worker.cold_load_s
-    if request.adapter is not None and request.adapter not in worker.adapters:
-        cold += worker.adapter_load_s
+    cold = _cold_seconds(worker, request)
     backlog_s = queue_tokens / rate
     if total:
         kv_fraction = (held + need) / total
@@ -1298,10 +1296,14 @@ def _room_in(options: list[_Option]) -> float:
     of the wait for the prompts queued ahead of its prefill and for KV room on its decode
     worker (its own prefill and load are not waiting), within `RETRY_AFTER_BOUNDS_S`."""
     low, high = RETRY_AFTER_BOUNDS_S
-    wait = min(
-        max(o.ttft_s - o.prefill.own_prefill_s - o.prefill.cold_s, o.decode.kv_ready_s) for o in options
-    )
+    wait = min(max(_queued_wait_s(o), o.decode.kv_ready_s) for o in options)
     return min(high, max(low, wait))
+
+
+def _queued_wait_s(option: _Option) -> float:
+    """The part of the option's TTFT spent waiting behind other work: all but its own prefill
+    and the load of what its worker lacks."""
+    return max(0.0, option.ttft_s - (option.prefill.prefill_gpu_s + option.prefill.cold_s))
 
 
 def _overloaded(config: RouterConfig, request: RouteRequest, options: list[_Option]) -> bool:
@@ -1433,8 +1435,7 @@ def earliest_first_token(
     if isinstance(scored, NoPlacement):
         return None
     best = min(scored[0], key=lambda o: o.ttft_s)
-    own_s = best.prefill.prefill_gpu_s + _cold_seconds(best.prefill.worker, request)
-    return FirstToken(best.ttft_s, max(0.0, best.ttft_s - own_s))
+    return FirstToken(best.ttft_s, _queued_wait_s(best))
 
 
 def earliest_ttft(state: RouterState, request: RouteRequest, prefix: PrefixView, now: float) -> float | None:
