@@ -398,7 +398,8 @@ def sweep_tables(sweep: Sweep) -> list[Table]:
     )
     for column in (*columns, "critical tasks"):
         groups.add_column(column, justify="left" if column in ("rate", "admission") else "right")
-    for g in summarise(sweep):
+    summaries = summarise(sweep)
+    for g in summaries:
         groups.add_row(
             g.group,
             g.admission,
@@ -420,7 +421,7 @@ def sweep_tables(sweep: Sweep) -> list[Table]:
     spend = Table(title="where the pooled spend went: ripplemesh / the pooled cheapest baseline")
     for column in SPEND_COLUMNS:
         spend.add_column(column, justify="left" if column in ("rate", "admission") else "right")
-    for g in summarise(sweep):
+    for g in summaries:
         spend.add_row(*_spend_cells(g))
     return [points, groups, spend]
 
