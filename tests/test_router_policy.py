@@ -357,6 +357,37 @@ def test_a_new_workflow_on_a_saturated_fleet_must_be_worth_its_cost() -> None:
     assert "no placement meets the deadline" in hopeless.message
 
 
+def test_a_task_not_worth_its_cost_is_refused_only_while_the_fleet_is_pressed() -> None:
+    # Workers with their KV 90% full: a new 4-step task's GPU time costs the fleet most of its
+    # price, and its chance (0.945 a step, 0.79 for the task) is short of what that asks. With
+    # no prompt queued and small batches the fleet has room: it is tried. Held back by admission
+    # (arrivals outrunning the fleet), or with the decode batches at 42% of their limit or more
+    # (`pressed_occupancy`), it is refused.
+    task = {"output": 300, "workflow_id": "wf", "workflow_steps": 4, "workflow_step": 1}
+
+    def fleet(running: int) -> RouterState:
+        full = {"used": 27_000, "running": running}
+        return state_of(view("a", **full), view("b", **full))
+
+    tried = decide(fleet(30), request(deadline_in=6.0, **task))
+    assert 0.9 < tried.success_probability < 0.95
+    held = place(fleet(30), request(deadline_in=6.0, admission_wait_s=2.0, **task), FixedPrefix(), NOW)
+    assert isinstance(held, NoPlacement) and held.reason == "saturated", held
+    assert "worth its cost" in held.message and "task's chance is 0.79" in held.message
+    # Just under the saturation backlog (1 s) admission's hold is not yet pressure.
+    assert isinstance(
+        place(fleet(30), request(deadline_in=6.0, admission_wait_s=0.9, **task), FixedPrefix(), NOW),
+        Placement,
+    )
+    # Decode batches of 101 and of 111 of 256 (a longer deadline for a like chance: the bigger
+    # batches decode slower): under 42% of the limit the task is tried, over it refused.
+    roomy = place(fleet(100), request(deadline_in=10.0, **task), FixedPrefix(), NOW)
+    assert isinstance(roomy, Placement), roomy
+    crowded = place(fleet(110), request(deadline_in=10.0, **task), FixedPrefix(), NOW)
+    assert isinstance(crowded, NoPlacement) and crowded.reason == "saturated", crowded
+    assert "task's chance is 0.78" in crowded.message
+
+
 def test_a_saturated_refusal_says_when_the_fleet_will_have_room() -> None:
     # The same new 4-step task, refused as not worth its cost on fleets with 60k and 240k prompt
     # tokens queued on each worker (its deadline moved by the wait, so its chance is alike). Its

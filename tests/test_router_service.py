@@ -52,6 +52,7 @@ from services.router.kv_index import KvIndex
 from services.router.policy import (
     NoPlacement,
     NoPrefix,
+    Placement,
     RouterConfig,
     RouterState,
     earliest_first_token,
@@ -206,10 +207,10 @@ def inference_request(
     )
 
 
-async def admit(bus: Bus, request: InferenceRequest) -> None:
+async def admit(bus: Bus, request: InferenceRequest, waited_s: float = 0.0) -> None:
     await bus.publish(
         admitted_subject("standard"),
-        RequestAdmitted(event_id=new_event_id(), occurred_at=time.time(), request=request),
+        RequestAdmitted(event_id=new_event_id(), occurred_at=time.time(), request=request, waited_s=waited_s),
     )
 
 
@@ -497,6 +498,48 @@ async def test_a_saturated_refusal_tells_the_client_when_to_retry(
             assert collected.decisions[request.request_id].outcome == "saturated"
             assert rejection.retry_after_s == pytest.approx(first.wait_s, rel=0.05)
             assert request.request_id not in collected.work
+    finally:
+        await fleet.stop()
+
+
+async def test_admissions_hold_on_a_request_tells_the_router_the_fleet_is_pressed(
+    bus: Bus, own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
+) -> None:
+    # Two workers with their KV 90% full but no prompt queued and small batches: a new 4-step
+    # workflow with about half a chance costs the fleet most of its price. Straight from
+    # admission it is tried (the fleet has room: refusing it would lose a task and free
+    # little); held back two seconds by admission (arrivals outrunning the fleet), the same
+    # task is refused as not worth its cost. The hold comes from RequestAdmitted's waited_s.
+    rng = random.Random(23)
+    fleet = await Fleet(bus, "held", 2).start()
+    collected = await Collected().start(bus)
+    try:
+        async with router_replica(own_nats.url, load_config(test_config), tmp_path) as router:
+            await fleet.heartbeat({"running": 30, "kv_blocks_used": 27_000, "context_tokens": 60_000})
+            await eventually(lambda: set(fleet.ids) <= set(router.state.workers))
+            prefix = router.kv_index if router.kv_index is not None else NoPrefix()
+
+            def task() -> InferenceRequest:
+                workflow = WorkflowRef(workflow_id=f"wf-{uuid.uuid4().hex[:6]}", step=1, steps=4)
+                return inference_request(
+                    random_tokens(rng, 2048), max_tokens=300, workflow=workflow, deadline_at=time.time() + 5.0
+                )
+
+            # (The fresh one first: a refused new task arms the dearest-task rule for the next.)
+            fresh = task()
+            expected = place(copy.deepcopy(router.state), route_request(fresh), prefix, time.time())
+            assert isinstance(expected, Placement), expected
+            await admit(bus, fresh)
+            await eventually(lambda: fresh.request_id in collected.work)
+            chosen = collected.decisions[fresh.request_id].chosen
+            assert chosen is not None and 0.5 < chosen.success_probability < 0.95
+            held = task()
+            expected = place(copy.deepcopy(router.state), route_request(held, 0.0, 2.0), prefix, time.time())
+            assert isinstance(expected, NoPlacement) and expected.reason == "saturated", expected
+            await admit(bus, held, waited_s=2.0)
+            await eventually(lambda: held.request_id in collected.rejections)
+            assert collected.decisions[held.request_id].outcome == "saturated"
+            assert "no placement is worth its cost" in collected.rejections[held.request_id].message
     finally:
         await fleet.stop()
 

@@ -99,9 +99,12 @@ def view_of(state: WorkerState, shapes: dict[str, str] | None = None) -> WorkerV
     )
 
 
-def route_request(request: InferenceRequest, workflow_spent_usd: float = 0.0) -> RouteRequest:
+def route_request(
+    request: InferenceRequest, workflow_spent_usd: float = 0.0, admission_wait_s: float = 0.0
+) -> RouteRequest:
     """The policy's view of an admitted request (`workflow_spent_usd`: the ledger's running
-    spend of its workflow, from the WORKFLOW_SPEND bucket, when known)."""
+    spend of its workflow, from the WORKFLOW_SPEND bucket, when known; `admission_wait_s`: how
+    long admission held it back, RequestAdmitted's `waited_s`)."""
     workflow = request.workflow
     return RouteRequest(
         request_id=request.request_id,
@@ -117,6 +120,7 @@ def route_request(request: InferenceRequest, workflow_spent_usd: float = 0.0) ->
         workflow_step=workflow.step if workflow is not None else None,
         workflow_steps=workflow.steps if workflow is not None else None,
         workflow_spent_usd=workflow_spent_usd,
+        admission_wait_s=admission_wait_s,
     )
 
 
@@ -209,7 +213,7 @@ class RouterService:
         stale_give_up_at = loop.time() + WAIT_FOR_STALE_VIEW_S
         workflow_id = request.workflow.workflow_id if request.workflow is not None else None
         spent = self.workflow_spend.spent(workflow_id) if self.workflow_spend is not None else 0.0
-        route = route_request(request, spent)
+        route = route_request(request, spent, event.waited_s)
         decide_started_ns = time.time_ns()
         while True:
             decided_at = time.time()

@@ -493,12 +493,17 @@ class Simulator:
         if self._admit(req, now):
             self._route(req, now)
 
-    def _route_request(self, req: _RequestRun) -> RouteRequest:
+    def _route_request(self, req: _RequestRun, admission_wait_s: float = 0.0) -> RouteRequest:
         """The request as the router sees it (and admission's prediction of its first token): built
-        once, again only if the workflow's spend changed since (the one field that moves)."""
+        once, again only if the workflow's spend or admission's hold on it changed since (the
+        fields that move)."""
         task_run = req.task_run
         built = req.route_request
-        if built is not None and built.workflow_spent_usd == task_run.spend:
+        if (
+            built is not None
+            and built.workflow_spent_usd == task_run.spend
+            and built.admission_wait_s == admission_wait_s
+        ):
             return built
         task, spec = task_run.task, req.spec
         built = req.route_request = RouteRequest(
@@ -515,15 +520,17 @@ class Simulator:
             workflow_step=req.index if task.workflow else None,
             workflow_steps=task.steps if task.workflow else None,
             workflow_spent_usd=task_run.spend,
+            admission_wait_s=admission_wait_s,
         )
         return built
 
-    def _route(self, req: _RequestRun, now: float) -> None:
-        """Place an admitted request and hand it to its workers."""
+    def _route(self, req: _RequestRun, now: float, admission_wait_s: float = 0.0) -> None:
+        """Place an admitted request (held back `admission_wait_s` by admission) and hand it to
+        its workers."""
         spec, rid = req.spec, req.rid
         prompt, output = spec.prompt_tokens, spec.output_tokens
         self.prefix.now = now
-        placement = self.router(self.router_state, self._route_request(req), now)
+        placement = self.router(self.router_state, self._route_request(req, admission_wait_s), now)
         if isinstance(placement, NoPlacement):
             self._reject(req, "router", placement.reason, now)
             return
@@ -649,7 +656,7 @@ class Simulator:
             decision = outcome.decision
             if isinstance(decision, Admit):
                 self._admitted(req, decision.waited_s)
-                self._route(req, now)
+                self._route(req, now, decision.waited_s)
             else:
                 self._reject(req, "admission", decision.reason, now)
 
