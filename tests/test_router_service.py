@@ -53,6 +53,7 @@ from services.router.policy import (
     NoPlacement,
     NoPrefix,
     Placement,
+    PrefixView,
     RouterConfig,
     RouterState,
     earliest_first_token,
@@ -469,6 +470,23 @@ async def test_the_workflows_spend_reaches_the_decision(
         await fleet.stop()
 
 
+@contextlib.asynccontextmanager
+async def loaded_router(
+    bus: Bus, own_nats: EmbeddedNats, test_config: Path, tmp_path: Path, label: str, load: dict[str, int]
+) -> AsyncIterator[tuple[RouterService, Collected, PrefixView]]:
+    """A router replica that sees two decode workers with `load` (their heartbeat's load
+    fields), what it publishes, and its prefix view."""
+    fleet = await Fleet(bus, label, 2).start()
+    collected = await Collected().start(bus)
+    try:
+        async with router_replica(own_nats.url, load_config(test_config), tmp_path) as router:
+            await fleet.heartbeat(load)
+            await eventually(lambda: set(fleet.ids) <= set(router.state.workers))
+            yield router, collected, router.kv_index if router.kv_index is not None else NoPrefix()
+    finally:
+        await fleet.stop()
+
+
 async def test_a_saturated_refusal_tells_the_client_when_to_retry(
     bus: Bus, own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
 ) -> None:
@@ -476,30 +494,24 @@ async def test_a_saturated_refusal_tells_the_client_when_to_retry(
     # likely but not surely meet is not worth its cost there. The client gets a capacity
     # rejection (503) whose Retry-After is the predicted wait for the prompts queued ahead of it.
     rng = random.Random(17)
-    fleet = await Fleet(bus, "sat", 2).start()
-    collected = await Collected().start(bus)
-    try:
-        async with router_replica(own_nats.url, load_config(test_config), tmp_path) as router:
-            await fleet.heartbeat({"queued_tokens": 240_000, "running": 30, "kv_blocks_used": 15_000})
-            await eventually(lambda: set(fleet.ids) <= set(router.state.workers))
-            task = WorkflowRef(workflow_id=f"wf-{uuid.uuid4().hex[:6]}", step=1, steps=4)
-            probe = inference_request(random_tokens(rng, 64), max_tokens=300, workflow=task)
-            prefix = router.kv_index if router.kv_index is not None else NoPrefix()
-            first = earliest_first_token(router.state, route_request(probe), prefix, time.time())
-            assert first is not None and first.wait_s > 5.0  # longer than the old fixed 5 s
-            # A deadline the policy, on a copy of the router's state, refuses as saturated.
-            request = msgspec.structs.replace(probe, deadline_at=time.time() + first.wait_s + 8.6)
-            expected = place(copy.deepcopy(router.state), route_request(request), prefix, time.time())
-            assert isinstance(expected, NoPlacement) and expected.reason == "saturated", expected
-            await admit(bus, request)
-            await eventually(lambda: request.request_id in collected.rejections)
-            rejection = collected.rejections[request.request_id]
-            assert (rejection.stage, rejection.reason) == ("router", "capacity")  # a 503 at ingress
-            assert collected.decisions[request.request_id].outcome == "saturated"
-            assert rejection.retry_after_s == pytest.approx(first.wait_s, rel=0.05)
-            assert request.request_id not in collected.work
-    finally:
-        await fleet.stop()
+    busy = {"queued_tokens": 240_000, "running": 30, "kv_blocks_used": 15_000}
+    async with loaded_router(bus, own_nats, test_config, tmp_path, "sat", busy) as loaded:
+        router, collected, prefix = loaded
+        task = WorkflowRef(workflow_id=f"wf-{uuid.uuid4().hex[:6]}", step=1, steps=4)
+        probe = inference_request(random_tokens(rng, 64), max_tokens=300, workflow=task)
+        first = earliest_first_token(router.state, route_request(probe), prefix, time.time())
+        assert first is not None and first.wait_s > 5.0  # longer than the old fixed 5 s
+        # A deadline the policy, on a copy of the router's state, refuses as saturated.
+        request = msgspec.structs.replace(probe, deadline_at=time.time() + first.wait_s + 8.6)
+        expected = place(copy.deepcopy(router.state), route_request(request), prefix, time.time())
+        assert isinstance(expected, NoPlacement) and expected.reason == "saturated", expected
+        await admit(bus, request)
+        await eventually(lambda: request.request_id in collected.rejections)
+        rejection = collected.rejections[request.request_id]
+        assert (rejection.stage, rejection.reason) == ("router", "capacity")  # a 503 at ingress
+        assert collected.decisions[request.request_id].outcome == "saturated"
+        assert rejection.retry_after_s == pytest.approx(first.wait_s, rel=0.05)
+        assert request.request_id not in collected.work
 
 
 async def test_admissions_hold_on_a_request_tells_the_router_the_fleet_is_pressed(
@@ -511,37 +523,31 @@ async def test_admissions_hold_on_a_request_tells_the_router_the_fleet_is_presse
     # little); held back two seconds by admission (arrivals outrunning the fleet), the same
     # task is refused as not worth its cost. The hold comes from RequestAdmitted's waited_s.
     rng = random.Random(23)
-    fleet = await Fleet(bus, "held", 2).start()
-    collected = await Collected().start(bus)
-    try:
-        async with router_replica(own_nats.url, load_config(test_config), tmp_path) as router:
-            await fleet.heartbeat({"running": 30, "kv_blocks_used": 27_000, "context_tokens": 60_000})
-            await eventually(lambda: set(fleet.ids) <= set(router.state.workers))
-            prefix = router.kv_index if router.kv_index is not None else NoPrefix()
+    full = {"running": 30, "kv_blocks_used": 27_000, "context_tokens": 60_000}
+    async with loaded_router(bus, own_nats, test_config, tmp_path, "held", full) as loaded:
+        router, collected, prefix = loaded
 
-            def task() -> InferenceRequest:
-                workflow = WorkflowRef(workflow_id=f"wf-{uuid.uuid4().hex[:6]}", step=1, steps=4)
-                return inference_request(
-                    random_tokens(rng, 2048), max_tokens=300, workflow=workflow, deadline_at=time.time() + 5.0
-                )
+        def task() -> InferenceRequest:
+            workflow = WorkflowRef(workflow_id=f"wf-{uuid.uuid4().hex[:6]}", step=1, steps=4)
+            return inference_request(
+                random_tokens(rng, 2048), max_tokens=300, workflow=workflow, deadline_at=time.time() + 5.0
+            )
 
-            # (The fresh one first: a refused new task arms the dearest-task rule for the next.)
-            fresh = task()
-            expected = place(copy.deepcopy(router.state), route_request(fresh), prefix, time.time())
-            assert isinstance(expected, Placement), expected
-            await admit(bus, fresh)
-            await eventually(lambda: fresh.request_id in collected.work)
-            chosen = collected.decisions[fresh.request_id].chosen
-            assert chosen is not None and 0.5 < chosen.success_probability < 0.95
-            held = task()
-            expected = place(copy.deepcopy(router.state), route_request(held, 0.0, 2.0), prefix, time.time())
-            assert isinstance(expected, NoPlacement) and expected.reason == "saturated", expected
-            await admit(bus, held, waited_s=2.0)
-            await eventually(lambda: held.request_id in collected.rejections)
-            assert collected.decisions[held.request_id].outcome == "saturated"
-            assert "no placement is worth its cost" in collected.rejections[held.request_id].message
-    finally:
-        await fleet.stop()
+        # (The fresh one first: a refused new task arms the dearest-task rule for the next.)
+        fresh = task()
+        expected = place(copy.deepcopy(router.state), route_request(fresh), prefix, time.time())
+        assert isinstance(expected, Placement), expected
+        await admit(bus, fresh)
+        await eventually(lambda: fresh.request_id in collected.work)
+        chosen = collected.decisions[fresh.request_id].chosen
+        assert chosen is not None and 0.5 < chosen.success_probability < 0.95
+        held = task()
+        expected = place(copy.deepcopy(router.state), route_request(held, 0.0, 2.0), prefix, time.time())
+        assert isinstance(expected, NoPlacement) and expected.reason == "saturated", expected
+        await admit(bus, held, waited_s=2.0)
+        await eventually(lambda: held.request_id in collected.rejections)
+        assert collected.decisions[held.request_id].outcome == "saturated"
+        assert "no placement is worth its cost" in collected.rejections[held.request_id].message
 
 
 def test_every_refusal_of_the_policy_reaches_the_client_with_a_rejection_reason() -> None:
