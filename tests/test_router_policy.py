@@ -374,6 +374,7 @@ def test_a_task_not_worth_its_cost_is_refused_only_while_the_fleet_is_pressed() 
     held = place(fleet(30), request(deadline_in=6.0, admission_wait_s=2.0, **task), FixedPrefix(), NOW)
     assert isinstance(held, NoPlacement) and held.reason == "saturated", held
     assert "worth its cost" in held.message and "task's chance is 0.79" in held.message
+    assert "the fleet is pressed: admission held it 2.0 s" in held.message  # on the trace, why
     # Just under the saturation backlog (1 s) admission's hold is not yet pressure.
     assert isinstance(
         place(fleet(30), request(deadline_in=6.0, admission_wait_s=0.9, **task), FixedPrefix(), NOW),
@@ -386,6 +387,7 @@ def test_a_task_not_worth_its_cost_is_refused_only_while_the_fleet_is_pressed() 
     crowded = place(fleet(110), request(deadline_in=10.0, **task), FixedPrefix(), NOW)
     assert isinstance(crowded, NoPlacement) and crowded.reason == "saturated", crowded
     assert "task's chance is 0.78" in crowded.message
+    assert "the fleet is pressed: its decode batch would be 111/256" in crowded.message
 
 
 def test_a_saturated_refusal_says_when_the_fleet_will_have_room() -> None:

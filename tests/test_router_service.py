@@ -547,7 +547,8 @@ async def test_admissions_hold_on_a_request_tells_the_router_the_fleet_is_presse
         await admit(bus, held, waited_s=2.0)
         await eventually(lambda: held.request_id in collected.rejections)
         assert collected.decisions[held.request_id].outcome == "saturated"
-        assert "no placement is worth its cost" in collected.rejections[held.request_id].message
+        message = collected.rejections[held.request_id].message
+        assert "no placement is worth its cost" in message and "admission held it 2.0 s" in message
 
 
 def test_every_refusal_of_the_policy_reaches_the_client_with_a_rejection_reason() -> None:

@@ -204,7 +204,7 @@ class RouterConfig:
     # docs/router.md): above 1 was cheaper on a fixed fleet, but a saturated fleet then tries no
     # new task at all, and an autoscaled one never sees the load that would grow it.
     worth_probability: float = 0.9
-    # ... and only while the fleet is pressed (`_pressed`): admission held the request back at
+    # ... and only while the fleet is pressed (`_pressure`): admission held the request back at
     # least `saturation_backlog_s`, or its best placement's decode batch is at least this share
     # of its limit, or that placement's prefill backlog is `saturation_backlog_s`. With room to
     # spare a refusal frees little, and the chance it rests on is pessimistic: a task refused
@@ -1263,7 +1263,7 @@ def _refuse(
     cost, i.e. P < worth_probability x marginal / full. On an idle fleet the marginal cost is
     near nothing (idle GPU time is paid for anyway) and only a hopeless deadline is refused; on a
     saturated one a new workflow needs the full chance, a late step of an expensive one far
-    less. A task short of that chance is refused only while the fleet is pressed (`_pressed`);
+    less. A task short of that chance is refused only while the fleet is pressed (`_pressure`);
     one short of `min_success_probability` always."""
     likeliest = max(options, key=lambda o: o.probability)
     left = 0
@@ -1289,7 +1289,8 @@ def _refuse(
             _room_in(options),
         )
     hopeless = task_probability < config.min_success_probability
-    if not hopeless and not _pressed(config, request, best):
+    pressure = None if hopeless else _pressure(config, request, best)
+    if not hopeless and pressure is None:
         return None
     reason = (
         f"{'no placement meets the deadline' if hopeless else 'no placement is worth its cost'}: "
@@ -1301,21 +1302,25 @@ def _refuse(
         reason += f"; with {left} later step(s) the task's chance is {task_probability:.3f}"
     if hopeless:
         return NoPlacement("infeasible", reason + f" (needs {floor:.3f})")
-    return NoPlacement("saturated", reason + f" (needs {floor:.3f})", _room_in(options))
+    return NoPlacement(
+        "saturated", reason + f" (needs {floor:.3f}; the fleet is pressed: {pressure})", _room_in(options)
+    )
 
 
-def _pressed(config: RouterConfig, request: RouteRequest, option: _Option) -> bool:
-    """The fleet is pressed, as the request sees it: arrivals outrun it (admission held the
-    request back at least `saturation_backlog_s`), or the option's decode batch is at least
-    `pressed_occupancy` of its limit once the request joins, or its prefill waits behind
-    `saturation_backlog_s` of other prompts."""
+def _pressure(config: RouterConfig, request: RouteRequest, option: _Option) -> str | None:
+    """What presses the fleet, as the request sees it (None: it has room): arrivals outrun it
+    (admission held the request back at least `saturation_backlog_s`), or the option's decode
+    batch is at least `pressed_occupancy` of its limit once the request joins, or its prefill
+    waits behind `saturation_backlog_s` of other prompts."""
     if request.admission_wait_s >= config.saturation_backlog_s:
-        return True
+        return f"admission held it {request.admission_wait_s:.1f} s"
     decode = option.decode
     limit = decode.worker.speed.max_running
     if limit > 0 and decode.decodes / limit >= config.pressed_occupancy:
-        return True
-    return option.prefill.backlog_s >= config.saturation_backlog_s
+        return f"its decode batch would be {decode.decodes}/{limit}"
+    if option.prefill.backlog_s >= config.saturation_backlog_s:
+        return f"{option.prefill.backlog_s:.1f} s of prompts queued ahead of its prefill"
+    return None
 
 
 def _room_in(options: list[_Option]) -> float:
