@@ -9,6 +9,7 @@ import pytest
 
 from services.admission import policy as admission_policy
 from services.admission.policy import TenantQuota
+from services.router import policy as router_policy
 from services.router.policy import RouterConfig
 from services.simulator import run_simulation
 from services.simulator.admission import parse_admission
@@ -135,6 +136,28 @@ def test_the_simulator_calls_the_admission_module(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(admission_policy, "drain", watched)
     result = run_simulation(overload(workflows=60), FLEET)
     assert result.deferred_requests > 0 and len(drained) > result.deferred_requests / 10
+
+
+def test_the_router_sees_how_long_admission_held_each_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What presses the fleet for the router's refusals includes admission's hold on a request
+    # (RequestAdmitted.waited_s in the mesh): in the simulator, the time from its arrival to the
+    # router's decision, zero for one admitted at once.
+    seen: dict[str, tuple[float, float]] = {}
+    real = router_policy.place
+
+    def watched(state: Any, request: Any, prefix: Any, now: float) -> Any:
+        seen[request.request_id] = (now, request.admission_wait_s)
+        return real(state, request, prefix, now)
+
+    monkeypatch.setattr(router_policy, "place", watched)
+    log: list[RequestRecord] = []
+    result = run_simulation(overload(workflows=120), FLEET, request_log=log.append)
+    assert result.deferred_requests > 0
+    arrivals = {record.request_id: record.arrival for record in log}
+    waits = [wait for _, wait in seen.values()]
+    for request_id, (decided_at, wait) in seen.items():
+        assert wait == pytest.approx(decided_at - arrivals[request_id], abs=1e-9), request_id
+    assert 0.0 in waits and max(waits) > 1.0  # some straight through, some held past a second
 
 
 def test_variants_parse_and_the_rate_limiter_splits_a_fleet_rate_by_weight() -> None:
