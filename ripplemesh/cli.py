@@ -692,6 +692,13 @@ def simulate(
     help="A variant of ripplemesh's policy, as for simulate, for its runs (one made with another "
     "config is made again); the baselines run as they are.",
 )
+@click.option(
+    "--seeds",
+    default="0-4",
+    show_default=True,
+    help="The agentic generator's seeds, e.g. 5-9: 0-4 are those the router's knobs were fitted "
+    "on, others are held out.",
+)
 def sweep(
     trace: Path,
     out: Path,
@@ -700,6 +707,7 @@ def sweep(
     admissions: tuple[str, ...],
     jobs: int,
     router_config: str | None,
+    seeds: str,
 ) -> None:
     """The router's comparison with the baselines at every rate, window and seed (docs/router.md).
 
@@ -710,6 +718,7 @@ def sweep(
     from services.simulator.policies import parse_router_config
     from services.simulator.sweep import (
         DEFAULT_ADMISSIONS,
+        parse_seeds,
         router_points,
         run_sweep,
         sweep_tables,
@@ -721,9 +730,10 @@ def sweep(
         for admission in admissions:
             parse_admission(admission)
         config = parse_router_config(router_config)
+        agentic_seeds = parse_seeds(seeds)
     except (re.error, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
-    points = [p for p in router_points(trace) if pattern is None or pattern.search(p.name)]
+    points = [p for p in router_points(trace, agentic_seeds) if pattern is None or pattern.search(p.name)]
     if not points:
         raise click.UsageError(f"no point matches {only!r}")
     if any(p.workload == str(trace) for p in points) and not trace.is_file():

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from services.router.policy import RouterConfig
-from services.simulator.sweep import SweepPoint, cell_path, router_points, run_sweep, summarise, write_summary
+from services.simulator.sweep import (
+    SweepPoint,
+    cell_path,
+    parse_seeds,
+    router_points,
+    run_sweep,
+    summarise,
+    write_summary,
+)
 
 POLICIES = ("ripplemesh", "round_robin", "least_loaded")
 POINTS = [
@@ -117,6 +125,16 @@ def test_the_router_sweep_is_the_issue_comparison(tmp_path: Path) -> None:
     groups = {p.group for p in points}
     assert groups == {f"mooncake-x{x}" for x in (4, 12, 24, 40)} | {f"agentic-x{x}" for x in (1, 5, 10, 20)}
     assert len({p.name for p in points}) == 32
+    # Held-out seeds: the same rates and groups, read against the same targets.
+    held_out = router_points(tmp_path / "trace.jsonl", parse_seeds("5-9"))
+    assert {p.name for p in held_out if p.group == "agentic-x20"} == {
+        f"agentic-s{s}-x20" for s in range(5, 10)
+    }
+    assert {p.group for p in held_out} == groups
+    assert parse_seeds("0,3, 7-8,3") == (0, 3, 7, 8)
+    for bad in ("9-5", "x", "-1", ""):
+        with pytest.raises(ValueError, match=r"expected e\.g\. 5-9"):
+            parse_seeds(bad)
 
 
 @pytest.mark.parametrize(
@@ -128,6 +146,7 @@ def test_the_router_sweep_is_the_issue_comparison(tmp_path: Path) -> None:
         (["--only", "mooncake-w0-x4$", "--trace", "missing.jsonl"], "is not there"),
         (["--only", "agentic-s0-x1$", "--router-config", "no_such_knob=1"], "unknown router config"),
         (["--only", "agentic-s0-x1$", "--router-config", "dearest_gate=high"], "expected a number"),
+        (["--only", "agentic-s0-x1$", "--seeds", "9-5"], "expected e.g. 5-9"),
         (
             ["--only", "agentic-s0-x1$", "--router-config", "latency_worth_usd_per_s=1"],
             "unknown router config",
