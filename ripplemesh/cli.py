@@ -696,8 +696,8 @@ def simulate(
     "--seeds",
     default="0-4",
     show_default=True,
-    help="The agentic generator's seeds, e.g. 5-9: 0-4 are those the router's knobs were fitted "
-    "on, others are held out.",
+    help="The agentic generator's seeds, e.g. 10-14: 0-4 are those the router's knobs were "
+    "fitted on, 5-9 those their variants were weighed on again, 10 and up are held out.",
 )
 def sweep(
     trace: Path,

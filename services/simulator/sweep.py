@@ -59,7 +59,8 @@ class SweepPoint:
     deadline_s: float | None = None
 
 
-# The agentic generator's seeds the router's knobs were fitted on; others are held out.
+# The agentic generator's seeds the router's knobs were fitted on, the sweep's default. Their
+# variants were weighed again on 0-9; 10 and up are held out (docs/router.md, "Ten seeds").
 FITTED_SEEDS = (0, 1, 2, 3, 4)
 
 
