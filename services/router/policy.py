@@ -193,7 +193,7 @@ class RouterConfig:
     # takes a median 0.75 of that) and the refusals read the chance, so a wider spread gives a
     # step predicted near its deadline the better odds it has. 0.4 against 0.3, over the 64
     # agentic and Mooncake runs: the cheapest in 49 either way, the SLO at least the best
-    # baseline's in 57 against 54 (0.45, 0.5: agentic x20 SLO short at 2 seeds; docs/router.md).
+    # baseline's in 57 against 54 (0.45, 0.5: agentic x20 SLO short at 2 seeds; docs/router-experiments.md).
     relative_error: float = 0.4
     absolute_error_s: float = 0.25
     # No option gives the task at least this chance of meeting its deadlines: infeasible.
@@ -201,7 +201,7 @@ class RouterConfig:
     # The chance a task that takes its steps' full price from the fleet must have to be worth
     # trying (`_refuse`: scaled by the marginal over the full cost of what is left). Fitted on
     # the agentic workload (0.9, 1.0, 1.1 at x10 and x20, two seeds, both admissions;
-    # docs/router.md): above 1 was cheaper on a fixed fleet, but a saturated fleet then tries no
+    # docs/router-experiments.md): above 1 was cheaper on a fixed fleet, but a saturated fleet then tries no
     # new task at all, and an autoscaled one never sees the load that would grow it.
     worth_probability: float = 0.9
     # ... and only while the fleet is pressed (`_pressure`): admission held the request back at
@@ -211,7 +211,7 @@ class RouterConfig:
     # there is a task lost. Agentic workload, five seeds, both admissions: x5's SLO against the
     # best baseline's +0.01 / +0.02 pp, where every fleet counted as pressed gave -0.09 / -0.05;
     # x10 and x20 as before within 0.3 points of cost. At 0.25 and 0.35 x5 stays short or
-    # level; at 0.5 and 0.65 too little is refused at x10 (docs/router.md).
+    # level; at 0.5 and 0.65 too little is refused at x10 (docs/router-experiments.md).
     pressed_occupancy: float = 0.42
     # When set: a new workflow (its first step) is refused while its best predicted time per
     # output token is above this, the decode batches past their knee (each extra sequence's KV
@@ -220,7 +220,7 @@ class RouterConfig:
     # pays where the router alone controls the load (the agentic workload under rate_limit
     # admission, 0.04 s: 2.5-9% cheaper per successful task at x10 and x20, two seeds), but
     # behind the project's admission, which defers new workflows on its own saturation bounds,
-    # it refuses first steps admission has just let through (9-15% dearer; docs/router.md).
+    # it refuses first steps admission has just let through (9-15% dearer; docs/router-experiments.md).
     new_task_max_tpot_s: float | None = None
     # Under overload the router sheds the dearest new tasks first (`_dearest`): a task's first
     # step is refused as saturated when what its steps take from the fleet is above
@@ -229,19 +229,19 @@ class RouterConfig:
     # their cost, as not worth it or by this rule, or the decode batch full; counting the rule's
     # own refusals keeps it armed while the overload lasts: agentic x20 behind the project's
     # admission 12.0% under the best baseline against 7.9%, Mooncake x40 42.1% against 33.4%,
-    # pooled over the seeds; docs/router.md). With the fleet's spend fixed, the GPU time
+    # pooled over the seeds; docs/router-experiments.md). With the fleet's spend fixed, the GPU time
     # goes to the tasks that take the least of it. Where admission only enforces quotas it is
     # the only shedding (agentic x20 under rate_limit: 27-33% under the best baseline, five
     # seeds); behind the project's admission, which sheds by priority and saturation, it still
     # picks among the tasks admission lets through (agentic x10 and x20, five seeds: 2.4% and
     # 7.4% under the best baseline; with it off, 1.2-5.0% dearer than with one bar for all
-    # classes, in all ten runs; docs/router.md). None: off.
+    # classes, in all ten runs; docs/router-experiments.md). None: off.
     dearest_task_factor: float | None = 1.0
     dearest_gate: float = 0.005
     # A class's bar in that rule: `dearest_task_factor` x this (1 where absent). The rule weighs
     # cost alone; a higher bar keeps more of the operator's most valued class (agentic x20
     # behind the project's admission, five seeds: 3,627 critical tasks succeed against 3,455
-    # with one bar for all; docs/router.md).
+    # with one bar for all; docs/router-experiments.md).
     dearest_priority_factor: Mapping[str, float] = field(default_factory=lambda: {"critical": 1.5})
     # The chance that a cached block the request evicts would have been reused (its re-prefill
     # is then charged to this placement).

@@ -60,7 +60,7 @@ class SweepPoint:
 
 
 # The agentic generator's seeds the router's knobs were fitted on, the sweep's default. Their
-# variants were weighed again on 0-9; 10 and up are held out (docs/router.md, "Ten seeds").
+# variants were weighed again on 0-9; 10 and up are held out (docs/router-experiments.md, "Ten seeds").
 FITTED_SEEDS = (0, 1, 2, 3, 4)
 
 
@@ -471,7 +471,7 @@ def _spend_cells(g: GroupSummary) -> tuple[str, ...]:
 
 
 def write_summary(sweep: Sweep, out: Path) -> list[Path]:
-    """summary.json (every margin and group) and summary.md (the tables as docs/router.md has
+    """summary.json (every margin and group) and summary.md (the tables as docs/router-experiments.md has
     them: a cell per point, a bold cost where a baseline is cheaper, a bold SLO where one is
     better)."""
     groups = summarise(sweep)
