@@ -668,6 +668,13 @@ class _Side:
     kv_fraction: float  # the worker's KV in use once they are added
     cold_s: float = 0.0  # loading the weights or adapter it lacks for the request
 
+    @property
+    def batch_share(self) -> float:
+        """Its decode batch once the request joins, as a share of the most it runs at once (over
+        1: the request waits for a slot; a worker that reports no limit counts as full)."""
+        limit = self.worker.speed.max_running
+        return self.decodes / limit if limit > 0 else 1.0
+
 
 def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
     """Whole matched blocks, but the last prompt token is always computed (the engines' rule)."""
@@ -1315,9 +1322,8 @@ def _pressure(config: RouterConfig, request: RouteRequest, option: _Option) -> s
     if request.admission_wait_s >= config.saturation_backlog_s:
         return f"admission held it {request.admission_wait_s:.1f} s"
     decode = option.decode
-    limit = decode.worker.speed.max_running
-    if limit > 0 and decode.decodes / limit >= config.pressed_occupancy:
-        return f"its decode batch would be {decode.decodes}/{limit}"
+    if decode.batch_share >= config.pressed_occupancy:
+        return f"its decode batch would be {decode.decodes}/{decode.worker.speed.max_running}"
     if option.prefill.backlog_s >= config.saturation_backlog_s:
         return f"{option.prefill.backlog_s:.1f} s of prompts queued ahead of its prefill"
     return None
@@ -1382,7 +1388,7 @@ def _dearest(
     full = decode.decodes > limit_running  # the batch once it joins: over the limit, it waits
     if refused is not None or (seen.refused <= config.dearest_gate and not full):
         return refused
-    occupancy = min(1.0, decode.decodes / limit_running) if limit_running > 0 else 1.0
+    occupancy = min(1.0, decode.batch_share)
     taken = steps * max(best.marginal_usd, occupancy * best.cost_usd)
     chance = max(o.probability for o in options) ** steps
     bar = config.dearest_task_factor * config.dearest_priority_factor.get(request.priority, 1.0)
