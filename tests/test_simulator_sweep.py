@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,11 @@ import pytest
 
 from services.router.policy import RouterConfig
 from services.simulator.sweep import (
+    COST_VERDICTS,
     SweepPoint,
     cell_path,
+    cost_interval,
+    mean_interval,
     parse_seeds,
     router_points,
     run_sweep,
@@ -91,15 +95,45 @@ def test_a_sweep_compares_every_point_with_its_cheapest_baseline_and_resumes(
     assert group["task_spend_vs_best"] == pytest.approx(task_spend["ripplemesh"] / task_spend[best] - 1)
     assert group["nothing_wasted_vs_best"] == pytest.approx(task_spend["ripplemesh"] / pooled[best] - 1)
     assert group["nothing_wasted_vs_best"] < group["pooled_cost_vs_best"]
-    (spend_row,) = [
+    _, spend_row, told_row = [
         line for line in markdown_path.read_text().splitlines() if line.startswith("| agentic-x4")
-    ][1:]
+    ]
     assert f"{group['nothing_wasted_vs_best']:+.2%}" in spend_row
     rows = [line for line in markdown_path.read_text().splitlines() if line.startswith("| agentic-s")]
     assert len(rows) == 2
     for row, margin in zip(rows, again.margins, strict=True):
         # A baseline cheaper than ripplemesh shows in bold.
         assert ("| **+" in row) == (margin.cost_vs_best >= 0)
+    # What the two points can tell: the per-point margins against the pooled cheapest baseline,
+    # their geometric mean and a t interval on two points (12.71 standard errors each side).
+    margins = [
+        _cost(cell_path(tmp_path, point, "ripplemesh", "ripplemesh"))
+        / _cost(cell_path(tmp_path, point, "ripplemesh", best))
+        for point in POINTS
+    ]
+    interval = group["cost_interval"]
+    assert interval["points"] == 2
+    assert interval["mean"] == pytest.approx(math.sqrt(margins[0] * margins[1]) - 1)
+    assert interval["low"] < min(margins) - 1 <= max(margins) - 1 < interval["high"]
+    assert COST_VERDICTS[-1 if interval["high"] < 0 else 1 if interval["low"] > 0 else 0] in told_row
+
+
+def test_an_interval_tells_a_difference_only_when_the_points_agree_beyond_their_spread() -> None:
+    # Mooncake x4's three windows as measured at 95e776f: +0.01%, +0.49%, +0.06% dearer. All
+    # three are dearer, but three points this spread do not tell a 0.2% difference from none.
+    light = cost_interval([1.0001, 1.0049, 1.0006], [1.0, 1.0, 1.0])
+    assert light.points == 3 and light.sign() == 0
+    assert light.mean == pytest.approx((1.0001 * 1.0049 * 1.0006) ** (1 / 3) - 1)
+    # Fifteen seeds 20-34% cheaper: cheaper, and the interval says how much with what spread.
+    seeds = [0.80, 0.76, 0.72, 0.74, 0.69, 0.78, 0.73, 0.75, 0.71, 0.77, 0.66, 0.74, 0.70, 0.79, 0.76]
+    heavy = cost_interval(seeds, [1.0] * 15)
+    assert heavy.sign() == -1 and heavy.low < -0.25 < heavy.high < -0.2
+    # Student's t, not the normal: with three points the half-width is 4.30 standard errors.
+    three = mean_interval([1.0, 2.0, 3.0])
+    assert (three.low, three.mean, three.high) == pytest.approx((2 - 2.4841, 2.0, 2 + 2.4841), abs=1e-4)
+    # One point says nothing of the spread; a run with no success has no finite margin.
+    assert mean_interval([0.5]).sign() == 0 and math.isinf(mean_interval([0.5]).high)
+    assert cost_interval([0.0, 1.0], [1.0, 1.0]).sign() == 0
 
 
 def test_the_system_comparison_takes_the_cheapest_baseline_under_any_admission(tmp_path: Path) -> None:

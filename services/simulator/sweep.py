@@ -7,12 +7,14 @@ to ``OUT/<point>/<admission>/<policy>.json``. A cell whose file is already there
 again: a sweep resumes where it stopped, and after a change to one policy only its cells need
 deleting. One margin per point and admission compares ripplemesh with the cheapest baseline (and
 its SLO with the best baseline's); the summary groups the points of a rate, the way the issue's
-targets read them.
+targets read them, pooled and as a mean over the points with a 95% interval, which says whether
+the points can tell a margin from their spread (a light-load tie is then a tie).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import statistics
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 from rich.table import Table
+from scipy import stats
 
 from services.router.policy import RouterConfig
 from services.simulator.command import parse_window, run_seed
@@ -217,11 +220,21 @@ class PolicyTotals:
         return part_usd / self.spend_usd if self.spend_usd else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class PointFigures:
+    """One policy's run at one point: what the per-point intervals are computed from."""
+
+    cost_per_success: float
+    slo: float
+
+
 @dataclass(slots=True)
 class Sweep:
     margins: list[Margin] = field(default_factory=list)
     # (group, admission) -> policy -> its runs there added up
     totals: dict[tuple[str, str], dict[str, PolicyTotals]] = field(default_factory=dict)
+    # (group, admission) -> one {policy: figures} per point, in the points' order
+    by_point: dict[tuple[str, str], list[dict[str, PointFigures]]] = field(default_factory=dict)
     ran: int = 0  # cells run now (the rest were read from earlier runs)
     read: int = 0
 
@@ -283,9 +296,15 @@ def run_sweep(
             results = {pol: found[(point, admission, pol)] for pol in policies}
             sweep.margins.append(_margin(point, admission, results))
             totals = sweep.totals.setdefault((point.group, admission), {})
+            figures: dict[str, PointFigures] = {}
             for policy, result in results.items():
                 if result is not None:
                     totals.setdefault(policy, PolicyTotals()).add(result)
+                    cost = result.cost_per_successful_task_usd
+                    figures[policy] = PointFigures(
+                        cost if cost is not None else float("inf"), result.slo["attainment"] or 0.0
+                    )
+            sweep.by_point.setdefault((point.group, admission), []).append(figures)
     return sweep
 
 
@@ -312,6 +331,47 @@ def _margin(point: SweepPoint, admission: str, results: dict[str, SimResult | No
         ours.slo["attainment"] or 0.0,
         max(r.slo["attainment"] or 0.0 for r in baselines.values()),
         critical,
+    )
+
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """A mean over a rate's points and its 95% confidence interval. Each point is one paired
+    comparison (every policy ran the same workload there), and a rate has few points (three
+    trace windows, five or fifteen seeds), so the interval is Student's t on the per-point
+    differences. With one point it is unbounded: one run says nothing of the spread."""
+
+    mean: float
+    low: float
+    high: float
+    points: int
+
+    def sign(self) -> int:
+        """-1 if the whole interval is under zero, 1 if over, 0 if it holds zero."""
+        return -1 if self.high < 0 else 1 if self.low > 0 else 0
+
+
+def mean_interval(differences: Sequence[float]) -> Interval:
+    n = len(differences)
+    mean = statistics.fmean(differences)
+    if n < 2 or not math.isfinite(mean):
+        return Interval(mean, -math.inf, math.inf, n)
+    half = float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * statistics.stdev(differences) / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n)
+
+
+def cost_interval(ours: Sequence[float], baseline: Sequence[float]) -> Interval:
+    """ripplemesh's cost per successful task against a baseline's, point by point, as a margin
+    (-0.25: a quarter cheaper): the interval is taken on the log of the ratios (a margin of
+    -50% and one of +100% are the same size) and turned back, so its mean is the geometric mean
+    of the per-point margins."""
+    logs = [math.log(a / b) if a > 0 and b > 0 else math.inf for a, b in zip(ours, baseline, strict=True)]
+    on_logs = mean_interval(logs)
+    return Interval(
+        math.expm1(on_logs.mean), math.expm1(on_logs.low), math.expm1(on_logs.high), on_logs.points
     )
 
 
@@ -350,6 +410,12 @@ class GroupSummary:
     # project's admission or none of it.
     any_admission_cost_vs_best: float
     any_admission_best: str  # "<policy> (<admission>)"
+    # What the points can tell apart from their spread: ripplemesh's cost against the pooled
+    # cheapest baseline's, point by point (a margin), and its SLO against the baseline whose
+    # mean SLO is best (pp), each a mean with its 95% interval.
+    cost_interval: Interval
+    slo_interval_pp: Interval
+    slo_best: str
 
 
 def summarise(sweep: Sweep) -> list[GroupSummary]:
@@ -369,6 +435,8 @@ def summarise(sweep: Sweep) -> list[GroupSummary]:
         pooled_best = min(baselines, key=lambda name: baselines[name].cost_per_success)
         best = baselines[pooled_best]
         cheapest_anywhere, anywhere_name = anywhere[group]
+        slo_best = max(baselines, key=lambda name: baselines[name].mean_slo)
+        per_point = [p for p in sweep.by_point[(group, admission)] if OURS in p]
         summaries.append(
             GroupSummary(
                 group,
@@ -391,9 +459,33 @@ def summarise(sweep: Sweep) -> list[GroupSummary]:
                 ours.task_spend / best.cost_per_success - 1,
                 ours.cost_per_success / cheapest_anywhere - 1,
                 anywhere_name,
+                cost_interval(
+                    [p[OURS].cost_per_success for p in per_point],
+                    [p[pooled_best].cost_per_success for p in per_point],
+                ),
+                mean_interval([(p[OURS].slo - p[slo_best].slo) * 100 for p in per_point]),
+                slo_best,
             )
         )
     return summaries
+
+
+COST_VERDICTS = {-1: "cheaper", 0: "no clear difference", 1: "dearer"}
+SLO_VERDICTS = {-1: "lower", 0: "no clear difference", 1: "higher"}
+INTERVAL_COLUMNS = ("rate", "admission", "points", "cost per point [95%]", "cost", "SLO [95%]", "SLO")
+
+
+def _interval_cells(g: GroupSummary) -> tuple[str, ...]:
+    c, s = g.cost_interval, g.slo_interval_pp
+    return (
+        g.group,
+        g.admission,
+        str(c.points),
+        f"{c.mean:+.2%} [{c.low:+.2%}, {c.high:+.2%}] {g.pooled_best}",
+        COST_VERDICTS[c.sign()],
+        f"{s.mean:+.2f} [{s.low:+.2f}, {s.high:+.2f}] pp {g.slo_best}",
+        SLO_VERDICTS[s.sign()],
+    )
 
 
 def sweep_tables(sweep: Sweep) -> list[Table]:
@@ -444,7 +536,15 @@ def sweep_tables(sweep: Sweep) -> list[Table]:
         spend.add_column(column, justify="left" if column in ("rate", "admission") else "right")
     for g in summaries:
         spend.add_row(*_spend_cells(g))
-    return [points, groups, spend]
+    told = Table(
+        title="what the points can tell: ripplemesh against the pooled cheapest baseline (cost) and "
+        "the best-SLO baseline, per point, mean and 95% interval (Student's t)"
+    )
+    for column in INTERVAL_COLUMNS:
+        told.add_column(column, justify="left" if column in ("rate", "admission") else "right")
+    for g in summaries:
+        told.add_row(*_interval_cells(g))
+    return [points, groups, spend, told]
 
 
 SPEND_COLUMNS = (
@@ -521,6 +621,8 @@ def write_summary(sweep: Sweep, out: Path) -> list[Path]:
         )
     lines += ["", "| " + " | ".join(SPEND_COLUMNS) + " |", "|" + "---|" * len(SPEND_COLUMNS)]
     lines += ["| " + " | ".join(_spend_cells(g)) + " |" for g in groups]
+    lines += ["", "| " + " | ".join(INTERVAL_COLUMNS) + " |", "|" + "---|" * len(INTERVAL_COLUMNS)]
+    lines += ["| " + " | ".join(_interval_cells(g)) + " |" for g in groups]
     as_markdown = out / "summary.md"
     as_markdown.write_text("\n".join(lines) + "\n")
     return [as_json, as_markdown]
