@@ -507,6 +507,29 @@ def test_past_keeping_up_a_critical_task_is_shed_only_at_a_dearer_bar() -> None:
     assert isinstance(refused, NoPlacement) and "x 1.5 for its class" in refused.message, refused
 
 
+def test_where_admission_controls_no_load_the_router_sheds_at_its_own_bar() -> None:
+    # After a typical 5-step task, a 4-step one passes the bar of 1.0; at a bar of 0.8 for a
+    # router that is the only shedding it is refused (4 steps > 0.8 x 5), but only where the
+    # router is told admission controls no load (quotas only): behind the project's admission,
+    # which has deferred and shed already, the bar stays 1.0.
+    full = {"used": TOTAL // 2, "running": H100.max_running, "context": H100.max_running * 1000}
+    easy = {"output": 200, "deadline_in": 600.0, "workflow_step": 1}
+
+    def fleet(controls_load: bool) -> RouterState:
+        past = state_of(view("a", **full), view("b", **full))
+        decide(past, request("typical", workflow_id="w1", workflow_steps=5, **easy))
+        past.config = dataclasses.replace(
+            past.config, dearest_task_factor_alone=0.8, admission_controls_load=controls_load
+        )
+        return past
+
+    dearer = request("dearer", workflow_id="w2", workflow_steps=4, **easy)
+    decide(fleet(controls_load=True), dearer)
+    alone = place(fleet(controls_load=False), dearer, FixedPrefix(), NOW)
+    assert isinstance(alone, NoPlacement) and alone.reason == "saturated", alone
+    assert "x 0.8 for its class" in alone.message
+
+
 def test_workflow_sunk_cost_and_prefix() -> None:
     # "risky" is cheap with a backlog that makes a 6 s deadline a coin toss; "safe" is dear
     # and idle. A first step with nothing spent takes the cheap gamble; the last step of a

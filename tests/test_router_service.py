@@ -59,7 +59,7 @@ from services.router.policy import (
     earliest_first_token,
     place,
 )
-from services.router.service import REJECTION_REASONS, RouterService, route_request, view_of
+from services.router.service import REJECTION_REASONS, RouterService, route_request, router_config, view_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -497,6 +497,7 @@ async def test_a_saturated_refusal_tells_the_client_when_to_retry(
     busy = {"queued_tokens": 240_000, "running": 30, "kv_blocks_used": 15_000}
     async with loaded_router(bus, own_nats, test_config, tmp_path, "sat", busy) as loaded:
         router, collected, prefix = loaded
+        assert router.state.config.admission_controls_load  # the mesh config's default admission
         task = WorkflowRef(workflow_id=f"wf-{uuid.uuid4().hex[:6]}", step=1, steps=4)
         probe = inference_request(random_tokens(rng, 64), max_tokens=300, workflow=task)
         first = earliest_first_token(router.state, route_request(probe), prefix, time.time())
@@ -549,6 +550,23 @@ async def test_admissions_hold_on_a_request_tells_the_router_the_fleet_is_presse
         assert collected.decisions[held.request_id].outcome == "saturated"
         message = collected.rejections[held.request_id].message
         assert "no placement is worth its cost" in message and "admission held it 2.0 s" in message
+
+
+def test_the_router_knows_from_the_mesh_config_whether_admission_controls_the_load(
+    test_config: Path,
+) -> None:
+    # Where admission enforces quotas only, the router is the only shedding under overload and
+    # sheds at its own bar (RouterConfig.dearest_task_factor_alone); it reads which from the
+    # admission section of the config the mesh runs with (the project's admission by default:
+    # a started replica has it, in test_a_saturated_refusal_tells_the_client_when_to_retry).
+    config = load_config(test_config)
+    assert config.admission.control == "ripplemesh"
+    assert router_config(config).admission_controls_load
+    for control in ("rate_limit", "none"):
+        admission = msgspec.structs.replace(config.admission, control=control)
+        policy_config = router_config(msgspec.structs.replace(config, admission=admission))
+        assert policy_config.admission_controls_load is False
+        assert policy_config.kv_transfer_usd_per_gb == config.kv_transfer_usd_per_gb
 
 
 def test_every_refusal_of_the_policy_reaches_the_client_with_a_rejection_reason() -> None:

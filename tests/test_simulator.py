@@ -32,7 +32,7 @@ from services.ledger import tasks as ledger_tasks
 from services.mesh.block_hash import chain_block_hashes
 from services.router import baselines
 from services.router import policy as router_policy
-from services.router.policy import Placement, RouteRequest
+from services.router.policy import Placement, RouterConfig, RouteRequest
 from services.simulator import (
     AgenticWorkload,
     AzureTrace,
@@ -332,6 +332,33 @@ def test_an_ended_request_and_a_finished_run_are_freed_without_the_cycle_collect
     assert {kind.__name__: alive[kind] for kind in run_state} == dict.fromkeys(
         (kind.__name__ for kind in run_state), 0
     )
+
+
+def test_the_router_sheds_at_its_own_bar_only_where_admission_controls_no_load() -> None:
+    """The simulator tells the router what the run's admission does, as the router service
+    reads it from the mesh config: on the agentic workload's overload (x20, 1,000 workflows) a
+    lower bar for a router that is the only shedding refuses more new tasks under rate_limit,
+    and changes nothing behind the project's admission. A run records the config it was given,
+    not what admission made of it (the sweep compares that record)."""
+    lower = RouterConfig(dearest_task_factor_alone=0.5)
+    runs = {}
+    for admission in ("rate_limit", "ripplemesh"):
+        for name, config in (("shipped", RouterConfig()), ("lower", lower)):
+            workload = load_workload("agentic:workflows=1000,rate_per_s=2,seed=0", rate_scale=20.0)
+            runs[admission, name] = run_simulation(
+                workload,
+                parse_fleet("2xH100,2xH200"),
+                "ripplemesh",
+                seed=0,
+                options=SimOptions(prefix_upper_bound=False, router_config=config),
+                admission=admission,
+            )
+    shed = {key: result.rejections.get("router:saturated", 0) for key, result in runs.items()}
+    assert shed["rate_limit", "lower"] > shed["rate_limit", "shipped"] > 0
+    assert comparable(runs["ripplemesh", "lower"]) | {"router_config": {}} == comparable(
+        runs["ripplemesh", "shipped"]
+    )
+    assert runs["rate_limit", "lower"].router_config == {"dearest_task_factor_alone": 0.5}
 
 
 @pytest.mark.parametrize("scenario", ["long-decodes", "stressful"])

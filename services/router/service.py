@@ -27,6 +27,7 @@ from schemas.events import (
     derived_event_id,
 )
 from schemas.subjects import ROUTER_CONSUMER, WORKERS, event_subject, work_subject
+from services.mesh.config import MeshConfig
 from services.mesh.consumer import Delivery
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
@@ -124,6 +125,16 @@ def route_request(
     )
 
 
+def router_config(config: MeshConfig) -> RouterConfig:
+    """The policy's configuration from the mesh's: the ledger's KV transfer price, and whether
+    admission controls the load (where it enforces quotas only, the router is the only
+    shedding under overload and sheds at its own bar)."""
+    return RouterConfig(
+        kv_transfer_usd_per_gb=config.kv_transfer_usd_per_gb,
+        admission_controls_load=config.admission.limits().controls_load,
+    )
+
+
 class RouterService:
     name: ClassVar[str] = "router"
 
@@ -145,7 +156,7 @@ class RouterService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.state.config = RouterConfig(kv_transfer_usd_per_gb=runtime.config.kv_transfer_usd_per_gb)
+        self.state.config = router_config(runtime.config)
         self._shapes = {m.name: m.shape for m in runtime.config.models}
         self.kv_index = KvIndex(runtime.config.block_size)
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)

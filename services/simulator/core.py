@@ -30,6 +30,7 @@ test that patches a policy module sees the simulator's decisions change.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import itertools
@@ -241,7 +242,13 @@ class Simulator:
         self.deferral = LatencySketch()
         self.by_tenant: dict[str, _TenantFigures] = {}
         self.slo_by_priority: dict[str, list[int]] = {}  # priority -> [met, issued]
-        self.router_state = RouterState(config=self.options.router_config)
+        # The router learns from admission's config whether it is the only shedding (as the
+        # router service does from the mesh config); the run records the options' config.
+        self.router_state = RouterState(
+            config=dataclasses.replace(
+                self.options.router_config, admission_controls_load=self.admission_limits.controls_load
+            )
+        )
         self.serving: dict[str, SimWorker] = {}  # workers that take (or finish) work
         self.all_workers: list[SimWorker] = []
         self.starting: dict[str, SimWorker] = {}

@@ -289,8 +289,12 @@ POLICY_NAMES: tuple[str, ...] = ("ripplemesh", *baselines.BASELINES)
 
 
 # RouterConfig's fields a run may set (`parse_router_config`): its numbers; the per-class
-# mappings stay as they are.
-_CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(RouterConfig) if "Mapping" not in str(f.type)}
+# mappings stay as they are, and whether admission controls the load follows the run's admission.
+_CONFIG_FIELDS = {
+    f.name: f.type
+    for f in dataclasses.fields(RouterConfig)
+    if "Mapping" not in str(f.type) and f.name != "admission_controls_load"
+}
 
 
 def parse_router_config(spec: str | None) -> RouterConfig:
