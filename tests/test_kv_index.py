@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas.events import KvCacheChange, KvDump, KvEvents
-from services.router.kv_index import KvIndex, Outcome, PrefixView, predicted_cached_tokens
+from services.router.kv_index import KvIndex, Outcome, PrefixView
 
 BLOCK_SIZE = 16
 MODEL = "llama-3-8b"
@@ -231,13 +231,6 @@ def test_a_wide_fleet_matches_the_brute_force_with_and_without_the_group_cache()
     for request in requests:
         expected = {w: n for w, b in holdings.items() if (n := brute_overlap(b, request))}
         assert answers(cached, request) == expected
-
-
-def test_predicted_cached_tokens_leaves_one_token_to_compute() -> None:
-    assert predicted_cached_tokens(3, 100, 16) == 48
-    assert predicted_cached_tokens(4, 64, 16) == 63
-    assert predicted_cached_tokens(0, 10, 16) == 0
-    assert predicted_cached_tokens(1, 0, 16) == 0
 
 
 # ---------------------------------------------------------------- property: random deliveries

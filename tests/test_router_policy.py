@@ -22,6 +22,7 @@ from services.router.policy import (
     RouterState,
     WorkerSpeed,
     WorkerView,
+    cached_tokens,
     earliest_first_token,
     earliest_ttft,
     place,
@@ -182,6 +183,13 @@ def test_kv_cache_state() -> None:
     assert full_hit.decode_worker == "a" and full_hit.predicted_cached_tokens == 8191
     # Its TTFT is the uncached part's prefill.
     assert full_hit.predicted_ttft_s < decision.predicted_ttft_s
+
+
+def test_cached_tokens_leave_one_token_to_compute() -> None:
+    assert cached_tokens(3, 100, 16) == 48
+    assert cached_tokens(4, 64, 16) == 63
+    assert cached_tokens(0, 10, 16) == 0
+    assert cached_tokens(1, 0, 16) == 0
 
 
 def test_warm_weights() -> None:

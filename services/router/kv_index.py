@@ -64,7 +64,7 @@ from typing import Protocol
 from schemas.events import KvEvents
 from services.router.policy import PrefixView as PrefixView  # the protocol this index serves
 
-__all__ = ["KvIndex", "Matches", "Outcome", "PrefixView", "predicted_cached_tokens"]
+__all__ = ["KvIndex", "Matches", "Outcome", "PrefixView"]
 
 # Masks with more set bits than this have their worker ids cached (`KvIndex._groups`).
 _FEW_BITS = 4
@@ -99,12 +99,6 @@ class DumpLike(Protocol):
     def block_hashes(self) -> list[int]: ...
     @property
     def started_at(self) -> float | None: ...
-
-
-def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
-    """The prompt tokens a prefill would find cached: whole matched blocks, but at least one token
-    is always computed (the engines' rule: the last prompt token yields the first output token)."""
-    return max(0, min(matched_blocks * block_size, prompt_tokens - 1))
 
 
 @dataclass(slots=True)

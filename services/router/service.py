@@ -37,7 +37,7 @@ from services.mesh.tracing import tracer
 from services.mesh.workflow_spend_view import WorkflowSpendView
 from services.router import reporting
 from services.router.feedback import Feedback, count_peer_placement
-from services.router.kv_index import KvIndex, predicted_cached_tokens
+from services.router.kv_index import KvIndex
 from services.router.kv_sync import KvSync
 from services.router.migration import Migrator
 from services.router.policy import (
@@ -48,6 +48,7 @@ from services.router.policy import (
     RouteRequest,
     RouterState,
     WorkerView,
+    cached_tokens,
     place,
 )
 from services.router.speed import speed_for
@@ -341,7 +342,7 @@ class RouterService:
                 and now - worker.heartbeat_at <= LIVENESS_S
             )
             shown = [
-                f"{worker_id}={predicted_cached_tokens(depth, prompt, size)}"
+                f"{worker_id}={cached_tokens(depth, prompt, size)}"
                 for worker_id, depth in islice(live, SPAN_KV_CANDIDATES)
             ]
             span.set_attribute("ripple.router.cached_tokens_by_worker", shown)
