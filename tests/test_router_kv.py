@@ -598,6 +598,58 @@ async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
         await bus.close()
 
 
+async def test_a_prefills_blocks_reach_the_index_when_it_ends_not_at_the_next_tick(
+    own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
+) -> None:
+    """A real engine host whose periodic KV publish is a minute apart: the router's index holds
+    a prefill's prompt blocks as soon as the prefill ends, so a request sharing the prefix that
+    comes right after it is placed knowing where it is cached."""
+    bus = await Bus.connect(own_nats.url, "kv-prefill-test")
+    await bus.provision()
+    config = load_config(test_config)
+    runtime = Runtime("prefill", ServiceOptions(nats_url=own_nats.url, data_dir=tmp_path, config=config), bus)
+    engine = SimEngine(model=MODEL, block_size=BLOCK_SIZE, clock=RealClock(0.0), max_context_tokens=4096)
+    host = EngineHost(
+        runtime, engine, worker_id=worker_name("prompt"), role="prefill", pool="test", kv_events_every_s=60.0
+    )
+    index = KvIndex(BLOCK_SIZE)
+    sync = KvSync(bus.nc, index, dump_timeout_s=5.0, liveness_s=60.0)
+    task: asyncio.Task[None] | None = None
+    try:
+        await host.start()
+        task = asyncio.create_task(sync.run())
+        await asyncio.wait_for(sync.subscribed.wait(), 5)
+        sync.observe(host.state())  # discovery: its dump, empty, makes it synced
+        await eventually(lambda: index.synced(host.worker_id), 10)
+        assert index.block_count(host.worker_id) == 0
+
+        rng = random.Random(11)
+        tokens = [rng.randrange(1000) for _ in range(40 * BLOCK_SIZE)]
+        request = InferenceRequest(
+            request_id="prompt-1",
+            tenant="acme",
+            model=MODEL,
+            api="nats",
+            prompt_tokens=tokens,
+            block_size=BLOCK_SIZE,
+            block_hashes=chain_block_hashes(tokens, BLOCK_SIZE, model=MODEL),
+            max_tokens=1,
+            submitted_at=time.time(),
+        )
+        await asyncio.wait_for(host.prefill(request, "source-prompt-1"), 30)
+        # Well before the next tick (a minute away), the index has every block of the prompt.
+        await eventually(lambda: index.overlap(host.worker_id, request.block_hashes) == 40, 5)
+        assert index.synced(host.worker_id)
+        engine.release(request.request_id)
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.wait_for(host.stop(), 15)
+        await runtime.cancel_tasks()
+        await bus.close()
+
+
 # ---------------------------------------------------------------- in the mesh
 
 WORDS = "the model token cache request worker batch prefill decode latency cost router queue fleet".split()

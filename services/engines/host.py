@@ -72,6 +72,7 @@ class EngineHost:
         worker_id: str,
         role: Literal["prefill", "decode"],
         pool: str,
+        kv_events_every_s: float = KV_EVENTS_EVERY_S,
     ):
         self.runtime = runtime
         self.engine = engine
@@ -83,6 +84,9 @@ class EngineHost:
         self.draining = False
         # Batches of prefix-cache changes published so far on rmesh.kv.<worker>.
         self.kv_seq = 0
+        # How often the cache changes not published yet go out (evictions, a decode's blocks); a
+        # prefill's own blocks go out as soon as it ends (`prefill`).
+        self.kv_events_every_s = kv_events_every_s
         self._kv_dump_sub: Subscription | None = None
         # Requests in flight; cancellation, revocation and drain (rmesh.control.<worker>).
         self.lifecycle = WorkerLifecycle(self)
@@ -99,7 +103,7 @@ class EngineHost:
         await self.heartbeat()
         self.runtime.spawn(self.runtime.every(HEARTBEAT_S, self.heartbeat, "heartbeat"), "heartbeat")
         self.runtime.spawn(
-            self.runtime.every(KV_EVENTS_EVERY_S, self.publish_kv_events, "kv-events"), "kv-events"
+            self.runtime.every(self.kv_events_every_s, self.publish_kv_events, "kv-events"), "kv-events"
         )
         log.info("engine ready", extra={"engine": info.engine, "model": info.model, "gpu": info.gpu_type})
 
@@ -314,6 +318,12 @@ class EngineHost:
         GPU_SECONDS.labels(self.worker_id, "prefill").inc(result.gpu_seconds)
         if hand_off is not None:
             await hand_off(result)
+        # The prompt's blocks are cached now: tell the routers at once, not at the next tick, so
+        # a request sharing the prefix that comes right after this one is placed knowing it.
+        try:
+            await self.publish_kv_events()
+        except Exception as exc:  # never fails the request: a lost batch is a gap routers resync
+            log.warning("KV events not published", extra={"worker": self.worker_id, "error": repr(exc)})
         await self.runtime.bus.publish(
             event_subject("prefill_completed"),
             PrefillCompleted(
