@@ -490,6 +490,10 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     # LoRA adapters loaded beside the model. (A worker announces itself once its model's
     # weights are loaded, so a heartbeat's model is warm.)
     adapters: list[str] = []
+    # Wall seconds per second of GPU work as its engine models it: 1 on real hardware, less for
+    # a sim engine run faster (`--time-scale`). Its GPU seconds (and so their price) stay the
+    # modelled ones.
+    time_scale: NonNegativeFloat = 1.0
 
 
 class WorkerControl(Event, frozen=True, kw_only=True, tag="worker.control.v1"):

@@ -619,7 +619,9 @@ async def test_a_prefills_blocks_reach_the_index_when_it_ends_not_at_the_next_ti
         await host.start()
         task = asyncio.create_task(sync.run())
         await asyncio.wait_for(sync.subscribed.wait(), 5)
-        sync.observe(host.state())  # discovery: its dump, empty, makes it synced
+        heartbeat = host.state()
+        assert heartbeat.time_scale == 0.0  # its GPU work takes no wall time; the router knows
+        sync.observe(heartbeat)  # discovery: its dump, empty, makes it synced
         await eventually(lambda: index.synced(host.worker_id), 10)
         assert index.block_count(host.worker_id) == 0
 

@@ -55,6 +55,7 @@ from services.router.policy import (
     Placement,
     PrefixView,
     RouterConfig,
+    RouteRequest,
     RouterState,
     earliest_first_token,
     place,
@@ -600,6 +601,53 @@ def test_the_spend_view_ignores_bad_and_older_entries() -> None:
     assert view.spent("wf-a") == 0.5 and view.spent(None) == 0.0 and view.spent("wf-b") == 0.0
     assert view.apply("wf-a", None, "DEL") == "deleted"
     assert view.spent("wf-a") == 0.0
+
+
+# ---------------------------------------------------------------- a sim engine run faster
+
+
+def test_a_worker_run_faster_than_the_wall_clock_is_predicted_in_wall_time_at_the_ledgers_cost() -> None:
+    """A sim engine at `--time-scale 0.1` does a modelled second's GPU work in 0.1 s and is
+    charged the modelled second: the router predicts a tenth of the time at the same cost (it had
+    predicted the modelled time, so under `make up --time-scale 0.1` it saw a worker that had
+    long finished its prompts as still busy with them and placed a request sharing its prefix
+    elsewhere)."""
+    fleet = Fleet.__new__(Fleet)  # only its WorkerState builder: no bus here
+    fleet.started_at, fleet.blocks = time.time() - 60, {"w": []}
+    now = time.time()
+    heartbeat = msgspec.structs.replace(fleet.state("w", queued_tokens=6_000, running=3), occurred_at=now)
+    req = RouteRequest(
+        request_id="r",
+        tenant="acme",
+        model=MODEL,
+        block_size=BLOCK_SIZE,
+        block_hashes=[],
+        prompt_tokens=4_000,
+        max_tokens=200,
+    )
+
+    def decided(time_scale: float) -> Placement:
+        state = RouterState()
+        state.observe(view_of(msgspec.structs.replace(heartbeat, time_scale=time_scale), {MODEL: MODEL}))
+        decision = place(state, req, NoPrefix(), now)
+        assert isinstance(decision, Placement)
+        return decision
+
+    modelled, faster = decided(1.0), decided(0.1)
+    assert faster.predicted_ttft_s == pytest.approx(0.1 * modelled.predicted_ttft_s, rel=1e-9)
+    assert faster.predicted_completion_s == pytest.approx(0.1 * modelled.predicted_completion_s, rel=1e-9)
+    assert faster.predicted_cost_usd == pytest.approx(modelled.predicted_cost_usd, rel=1e-9)
+    # The queue at the heartbeat drains at the wall-clock rate: 0.2 s on, a tenth-speed
+    # prediction would still see most of it waiting; at the engine's real speed it is gone.
+    later = RouterState()
+    later.observe(view_of(msgspec.structs.replace(heartbeat, time_scale=0.1), {MODEL: MODEL}))
+    drained = place(later, req, NoPrefix(), now + 0.2)
+    assert isinstance(drained, Placement)
+    assert drained.predicted_ttft_s < faster.predicted_ttft_s
+    # GPU work that takes no time (time scale 0): next to nothing, and finite.
+    instant = decided(0.0)
+    assert 0.0 < instant.predicted_ttft_s < 1e-3
+    assert instant.predicted_cost_usd == pytest.approx(modelled.predicted_cost_usd, rel=1e-6)
 
 
 # ---------------------------------------------------------------- active-active replicas

@@ -32,6 +32,9 @@ class EngineInfo:
     block_size: int
     kv_blocks_total: int
     adapters: tuple[str, ...] = ()
+    # Wall seconds per second of the GPU work it models: 1 on real hardware; a sim engine run
+    # faster (`RealClock(time_scale)`) less, so the router can predict in wall-clock time.
+    time_scale: float = 1.0
 
 
 def check_request(

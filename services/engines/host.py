@@ -156,6 +156,7 @@ class EngineHost:
             queued_tokens=snap.queued_tokens,
             context_tokens=snap.context_tokens,
             adapters=list(info.adapters),
+            time_scale=info.time_scale,
         )
 
     async def heartbeat(self) -> None:

@@ -41,6 +41,7 @@ from services.router.kv_index import KvIndex
 from services.router.kv_sync import KvSync
 from services.router.migration import Migrator
 from services.router.policy import (
+    DEFAULT_SPEED,
     LIVENESS_S,
     NoPlacement,
     NoPrefix,
@@ -51,7 +52,7 @@ from services.router.policy import (
     cached_tokens,
     place,
 )
-from services.router.speed import speed_for
+from services.router.speed import MIN_TIME_SCALE, speed_for, time_scaled
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,14 @@ _worker_decoder = msgspec.json.Decoder(WorkerState)
 
 def view_of(state: WorkerState, shapes: dict[str, str] | None = None) -> WorkerView:
     """The policy's view of a heartbeat; its speed from the GPU type and the model's shape
-    (`shapes`: model name -> sim model shape, from the mesh config), when both are known."""
-    speed = speed_for(state.gpu_type, (shapes or {}).get(state.model, state.model))
+    (`shapes`: model name -> sim model shape, from the mesh config), when both are known.
+
+    A worker whose engine runs its modelled GPU time faster than the wall clock (a sim engine at
+    `--time-scale`) is seen as a GPU that many times faster and dearer by the hour: its work then
+    takes the wall time it will take, and costs what the ledger will charge for it (the modelled
+    GPU seconds at the GPU's price)."""
+    speed = speed_for(state.gpu_type, (shapes or {}).get(state.model, state.model)) or DEFAULT_SPEED
+    scale = max(MIN_TIME_SCALE, state.time_scale)
     return WorkerView(
         worker_id=state.worker_id,
         role=state.role,
@@ -92,12 +99,12 @@ def view_of(state: WorkerState, shapes: dict[str, str] | None = None) -> WorkerV
         heartbeat_at=state.occurred_at,
         draining=state.draining,
         gpu_type=state.gpu_type,
-        price_per_hour=state.price_per_hour,
+        price_per_hour=state.price_per_hour / scale,
         kv_blocks_free=state.kv_blocks_free,
         queued_tokens=state.queued_tokens,
         context_tokens=state.context_tokens,
         adapters=tuple(state.adapters),
-        **({"speed": speed} if speed is not None else {}),
+        speed=time_scaled(speed, scale),
     )
 
 

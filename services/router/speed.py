@@ -9,6 +9,8 @@ model's shape in the mesh configuration.
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S, PerfModel
 from services.engines.sim.profiles import GPUS, MODELS, model_shape
 from services.router.policy import WorkerSpeed
@@ -28,6 +30,27 @@ def worker_speed(perf: PerfModel, *, max_batch_tokens: int = 8192, max_running: 
         kv_link_bytes_per_s=perf.gpu.kv_link_gb_per_s * 1e9,
         max_batch_tokens=max_batch_tokens,
         max_running=max_running,
+    )
+
+
+# A time scale of 0 (a sim engine whose GPU work takes no time) is read as this: predictions of
+# next to nothing, and finite.
+MIN_TIME_SCALE = 1e-6
+
+
+def time_scaled(speed: WorkerSpeed, time_scale: float) -> WorkerSpeed:
+    """`speed` on the wall clock of an engine whose modelled GPU work takes `time_scale` times as
+    long as modelled (a sim engine at `--time-scale 0.1` does a modelled second's work in 0.1 s):
+    its rates divided by the scale, its step overhead multiplied."""
+    scale = max(MIN_TIME_SCALE, time_scale)
+    if scale == 1.0:
+        return speed
+    return dataclasses.replace(
+        speed,
+        flops_per_s=speed.flops_per_s / scale,
+        bytes_per_s=speed.bytes_per_s / scale,
+        step_overhead_s=speed.step_overhead_s * scale,
+        kv_link_bytes_per_s=speed.kv_link_bytes_per_s / scale,
     )
 
 

@@ -187,7 +187,14 @@ class SimEngine:
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be at least 1")
         self.blocks = BlockManager(capacity // block_size, block_size)
-        self.info = EngineInfo("sim", model, gpu_type, block_size, self.blocks.total_blocks)
+        self.info = EngineInfo(
+            "sim",
+            model,
+            gpu_type,
+            block_size,
+            self.blocks.total_blocks,
+            time_scale=self.clock.time_scale if isinstance(self.clock, RealClock) else 1.0,
+        )
         self.tokenizer = _tokenizer()
         self._words = self.tokenizer.word_ids
         self.max_batch_tokens = max_batch_tokens
