@@ -5,12 +5,14 @@ router's decision span predicting the cached prefix the prefill then finds, also
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -518,15 +520,65 @@ def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]
     server.stop()
 
 
+@dataclass
+class HostedEngine:
+    """A real engine host, started, and a router's KV index with the KvSync that fills it."""
+
+    host: EngineHost
+    index: KvIndex
+    sync: KvSync
+    _reading: asyncio.Task[None] | None = None
+
+    async def read(self) -> None:
+        """Start the router's side: subscribe to the worker's KV events, as a router does."""
+        self._reading = asyncio.create_task(self.sync.run())
+        await asyncio.wait_for(self.sync.subscribed.wait(), 5)
+
+
+@contextlib.asynccontextmanager
+async def hosted(
+    nats: EmbeddedNats, config_path: Path, data_dir: Path, engine: SimEngine, label: str, **host_options: Any
+) -> AsyncIterator[HostedEngine]:
+    bus = await Bus.connect(nats.url, f"kv-{label}-test")
+    await bus.provision()
+    options = ServiceOptions(nats_url=nats.url, data_dir=data_dir, config=load_config(config_path))
+    runtime = Runtime("prefill", options, bus)
+    host = EngineHost(
+        runtime, engine, worker_id=worker_name(label), role="prefill", pool="test", **host_options
+    )
+    index = KvIndex(BLOCK_SIZE)
+    hosted_engine = HostedEngine(host, index, KvSync(bus.nc, index, dump_timeout_s=5.0, liveness_s=60.0))
+    try:
+        await host.start()
+        yield hosted_engine
+    finally:
+        if hosted_engine._reading is not None:
+            hosted_engine._reading.cancel()
+            await asyncio.gather(hosted_engine._reading, return_exceptions=True)
+        await asyncio.wait_for(host.stop(), 15)
+        await runtime.cancel_tasks()
+        await bus.close()
+
+
+def prompt_request(request_id: str, tokens: list[int]) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=request_id,
+        tenant="acme",
+        model=MODEL,
+        api="nats",
+        prompt_tokens=tokens,
+        block_size=BLOCK_SIZE,
+        block_hashes=chain_block_hashes(tokens, BLOCK_SIZE, model=MODEL),
+        max_tokens=1,
+        submitted_at=time.time(),
+    )
+
+
 async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
     own_nats: EmbeddedNats, test_config: Path, tmp_path: Path
 ) -> None:
     """A real engine host (sim engine) holding 127,500 blocks: one reply would exceed the
     server's 1 MiB payload limit; the router's KvSync gets every block, in chunks."""
-    bus = await Bus.connect(own_nats.url, "kv-dump-test")
-    await bus.provision()
-    config = load_config(test_config)
-    runtime = Runtime("prefill", ServiceOptions(nats_url=own_nats.url, data_dir=tmp_path, config=config), bus)
     engine = SimEngine(
         model=MODEL,
         block_size=BLOCK_SIZE,
@@ -534,27 +586,12 @@ async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
         kv_capacity_tokens=2_100_000,
         max_context_tokens=4096,
     )
-    host = EngineHost(runtime, engine, worker_id=worker_name("big"), role="prefill", pool="test")
-    index = KvIndex(BLOCK_SIZE)
-    sync = KvSync(bus.nc, index, dump_timeout_s=5.0, liveness_s=60.0)
-    task: asyncio.Task[None] | None = None
-    try:
-        await host.start()
+    async with hosted(own_nats, test_config, tmp_path, engine, "big") as hosted_engine:
+        host, index, sync = hosted_engine.host, hosted_engine.index, hosted_engine.sync
         rng = random.Random(7)
 
         async def prefill(i: int) -> None:
-            tokens = [rng.randrange(1000) for _ in range(4000)]
-            request = InferenceRequest(
-                request_id=f"fill-{i}",
-                tenant="acme",
-                model=MODEL,
-                api="nats",
-                prompt_tokens=tokens,
-                block_size=BLOCK_SIZE,
-                block_hashes=chain_block_hashes(tokens, BLOCK_SIZE, model=MODEL),
-                max_tokens=1,
-                submitted_at=time.time(),
-            )
+            request = prompt_request(f"fill-{i}", [rng.randrange(1000) for _ in range(4000)])
             await engine.prefill(request)
             engine.release(request.request_id)
 
@@ -578,24 +615,16 @@ async def test_a_cache_of_over_100k_blocks_reaches_the_index_in_chunks(
             block_hashes=sorted(cached),
             started_at=host.started_at,
         )
-        assert len(encode_event(whole)) > bus.nc.max_payload  # one reply could not carry it
+        assert len(encode_event(whole)) > host.runtime.bus.nc.max_payload  # one reply could not carry it
         await asyncio.sleep(0.2)  # the fill's batches go out before the reader subscribes
 
         applied = counted("ripplemesh_router_kv_dumps_total", "applied")
-        task = asyncio.create_task(sync.run())
-        await asyncio.wait_for(sync.subscribed.wait(), 5)
+        await hosted_engine.read()
         sync.observe(host.state())  # discovery: the index knows nothing of it, so it asks for a dump
         await eventually(lambda: index.synced(host.worker_id) and index.block_count(host.worker_id) > 0, 20)
         assert index.blocks_of(host.worker_id) == cached
         assert index.started_at(host.worker_id) == host.started_at
         assert counted("ripplemesh_router_kv_dumps_total", "applied") == applied + 1
-    finally:
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        await asyncio.wait_for(host.stop(), 15)
-        await runtime.cancel_tasks()
-        await bus.close()
 
 
 async def test_a_prefills_blocks_reach_the_index_when_it_ends_not_at_the_next_tick(
@@ -604,21 +633,12 @@ async def test_a_prefills_blocks_reach_the_index_when_it_ends_not_at_the_next_ti
     """A real engine host whose periodic KV publish is a minute apart: the router's index holds
     a prefill's prompt blocks as soon as the prefill ends, so a request sharing the prefix that
     comes right after it is placed knowing where it is cached."""
-    bus = await Bus.connect(own_nats.url, "kv-prefill-test")
-    await bus.provision()
-    config = load_config(test_config)
-    runtime = Runtime("prefill", ServiceOptions(nats_url=own_nats.url, data_dir=tmp_path, config=config), bus)
     engine = SimEngine(model=MODEL, block_size=BLOCK_SIZE, clock=RealClock(0.0), max_context_tokens=4096)
-    host = EngineHost(
-        runtime, engine, worker_id=worker_name("prompt"), role="prefill", pool="test", kv_events_every_s=60.0
-    )
-    index = KvIndex(BLOCK_SIZE)
-    sync = KvSync(bus.nc, index, dump_timeout_s=5.0, liveness_s=60.0)
-    task: asyncio.Task[None] | None = None
-    try:
-        await host.start()
-        task = asyncio.create_task(sync.run())
-        await asyncio.wait_for(sync.subscribed.wait(), 5)
+    async with hosted(
+        own_nats, test_config, tmp_path, engine, "prompt", kv_events_every_s=60.0
+    ) as hosted_engine:
+        host, index, sync = hosted_engine.host, hosted_engine.index, hosted_engine.sync
+        await hosted_engine.read()
         heartbeat = host.state()
         assert heartbeat.time_scale == 0.0  # its GPU work takes no wall time; the router knows
         sync.observe(heartbeat)  # discovery: its dump, empty, makes it synced
@@ -626,30 +646,12 @@ async def test_a_prefills_blocks_reach_the_index_when_it_ends_not_at_the_next_ti
         assert index.block_count(host.worker_id) == 0
 
         rng = random.Random(11)
-        tokens = [rng.randrange(1000) for _ in range(40 * BLOCK_SIZE)]
-        request = InferenceRequest(
-            request_id="prompt-1",
-            tenant="acme",
-            model=MODEL,
-            api="nats",
-            prompt_tokens=tokens,
-            block_size=BLOCK_SIZE,
-            block_hashes=chain_block_hashes(tokens, BLOCK_SIZE, model=MODEL),
-            max_tokens=1,
-            submitted_at=time.time(),
-        )
+        request = prompt_request("prompt-1", [rng.randrange(1000) for _ in range(40 * BLOCK_SIZE)])
         await asyncio.wait_for(host.prefill(request, "source-prompt-1"), 30)
         # Well before the next tick (a minute away), the index has every block of the prompt.
         await eventually(lambda: index.overlap(host.worker_id, request.block_hashes) == 40, 5)
         assert index.synced(host.worker_id)
         engine.release(request.request_id)
-    finally:
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        await asyncio.wait_for(host.stop(), 15)
-        await runtime.cancel_tasks()
-        await bus.close()
 
 
 # ---------------------------------------------------------------- in the mesh
