@@ -17,7 +17,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -27,17 +27,22 @@ from schemas.events import (
     ChatMessage,
     PriorityClass,
     ReplayTokens,
+    ResponseFormat,
     StreamFailed,
     StreamFinished,
     SubmitRequest,
     TokenChunk,
     TokenEvent,
+    TokenLogprob,
+    ToolChoice,
+    ToolSpec,
     Usage,
     WorkflowRef,
     encode_event,
     new_event_id,
 )
 from schemas.subjects import request_subject, tokens_subject
+from services.ingress.tool_calls import ParsedCall, parse_tool_calls
 from services.mesh.bus import TRANSIENT_ERRORS, nats_servers, publish_acked, reconnecting_options
 from services.mesh.nats_auth import NatsCredentials
 from services.mesh.token_stream import ReadBack, TokenStream
@@ -69,6 +74,10 @@ class Completion:
     finish_reason: str
     usage: Usage
     chunks: int
+    # The tool calls read out of the text (when tools were offered), and the text outside them.
+    tool_calls: list[ParsedCall] = field(default_factory=list)
+    content: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class MeshClient:
@@ -132,6 +141,10 @@ class MeshClient:
         workflow: WorkflowRef | None = None,
         request_id: str | None = None,
         model: str | None = None,
+        tools: list[ToolSpec] | None = None,
+        tool_choice: ToolChoice | None = None,
+        response_format: ResponseFormat | None = None,
+        logprobs: int | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Submit one request and yield every token event, in order, ending with the final one.
 
@@ -150,6 +163,10 @@ class MeshClient:
             priority=priority,
             deadline_ms=deadline_ms,
             workflow=workflow,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            logprobs=logprobs,
         )
         stream = TokenStream(
             self.nc,
@@ -217,21 +234,31 @@ class MeshClient:
     async def complete(self, **request: object) -> Completion:
         texts: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         chunks = 0
         async for event in self.events(**request):  # type: ignore[arg-type]
             if isinstance(event, TokenChunk):
                 texts.append(event.text)
                 token_ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs or ())
                 chunks += 1
             elif isinstance(event, StreamFailed):
                 raise MeshError(event)
             elif isinstance(event, StreamFinished):
+                text = "".join(texts)
+                content: str | None = text
+                calls: list[ParsedCall] = []
+                if request.get("tools") and request.get("tool_choice") != "none":
+                    content, calls = parse_tool_calls(text, f"call_{event.request_id[:24]}_")
                 return Completion(
                     event.request_id,
-                    "".join(texts),
+                    text,
                     token_ids,
                     event.finish_reason,
                     event.usage,
                     chunks,
+                    tool_calls=calls,
+                    content=content,
+                    logprobs=logprobs,
                 )
         raise RuntimeError("the token stream ended without a final event")

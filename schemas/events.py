@@ -12,7 +12,7 @@ Conventions (see docs/architecture.md):
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -59,9 +59,123 @@ class Event(Struct, frozen=True, tag_field="type"):
 # ---------------------------------------------------------------- values
 
 
+class TextPart(Struct, frozen=True, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ImagePart(Struct, frozen=True, kw_only=True, tag_field="type", tag="image_url"):
+    image_url: dict[str, str]
+
+
+class AudioPart(Struct, frozen=True, kw_only=True, tag_field="type", tag="input_audio"):
+    input_audio: dict[str, str]
+
+
+class FilePart(Struct, frozen=True, kw_only=True, tag_field="type", tag="file"):
+    file: dict[str, str]
+
+
+class RefusalPart(Struct, frozen=True, kw_only=True, tag_field="type", tag="refusal"):
+    """An assistant's earlier refusal, sent back in its history: text like any other."""
+
+    refusal: str
+
+
+# OpenAI's content parts. Only text reaches a model here; the others are named in a clear refusal.
+ContentPart = TextPart | RefusalPart | ImagePart | AudioPart | FilePart
+
+
+class FunctionCall(Struct, frozen=True, kw_only=True):
+    name: str
+    # A JSON object as text, as the OpenAI API carries it (what the model wrote).
+    arguments: str
+
+
+class ToolCall(Struct, frozen=True, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Struct, frozen=True, kw_only=True):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    """One turn of a chat, as OpenAI clients send it: content as text or as parts; an assistant
+    turn that called tools (`tool_calls`, content often null); a tool's result (`tool_call_id`);
+    the legacy `function` role and `function_call`. Ingress checks what each role needs."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: FunctionCall | None = None
+
+
+class ToolFunction(Struct, frozen=True, kw_only=True):
+    """A function the model may call: its name, what it does, its arguments' JSON Schema."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(Struct, frozen=True, kw_only=True):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class NamedFunction(Struct, frozen=True, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, frozen=True, kw_only=True):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+# "none": answer in text; "auto": the model decides; "required": some tool call; named: that one.
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(Struct, frozen=True, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, frozen=True, kw_only=True):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class OutputConstraint(Struct, frozen=True, kw_only=True):
+    """What a request's output must be, for an engine that constrains its decoding (its
+    `features` say so): a call of one of `tools` (a tool choice of "required" or one named
+    function), written `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; or a JSON
+    value, matching `json_schema` when one is given (a JSON object when not)."""
+
+    kind: Literal["tool_call", "json"]
+    tools: list[ToolFunction] = []
+    json_schema: dict[str, Any] | None = None
+
+
+class TokenAlternative(Struct, frozen=True, kw_only=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(Struct, frozen=True, kw_only=True):
+    """An output token's log-probability under the model, with the most likely alternatives at
+    its position (as many as the request's `logprobs` asked for)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TokenAlternative] = []
 
 
 class WorkflowRef(Struct, frozen=True, kw_only=True):
@@ -113,6 +227,11 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     submitted_at: NonNegativeFloat
     # Set when the request was re-placed mid-stream (its worker died or was drained).
     resumption: Resumption | None = None
+    # Log-probabilities wanted with each output token: None, none; k, the token's own and the k
+    # likeliest alternatives (OpenAI's top_logprobs). Only engines with the "logprobs" feature.
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # What the output must be (a tool call, JSON); only engines with the matching feature.
+    constraint: OutputConstraint | None = None
 
 
 class KvHandle(Struct, frozen=True, kw_only=True):
@@ -178,6 +297,11 @@ class SubmitRequest(Event, frozen=True, kw_only=True, tag="request.submit.v1"):
     # admission) rather than a dead letter.
     deadline_ms: int | None = None
     workflow: WorkflowRef | None = None
+    # As in OpenAI's chat API; what the model's engine cannot honour is refused, not ignored.
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
 class CancelRequest(Event, frozen=True, kw_only=True, tag="request.cancel.v1"):
@@ -415,6 +539,8 @@ class TokenChunk(Event, frozen=True, kw_only=True, tag="tokens.chunk.v1"):
     seq: NonNegativeInt
     token_ids: list[int]
     text: str
+    # One per token id, when the request asked for log-probabilities.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StreamFinished(Event, frozen=True, kw_only=True, tag="tokens.finished.v1"):
@@ -494,6 +620,14 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     # a sim engine run faster (`--time-scale`). Its GPU seconds (and so their price) stay the
     # modelled ones.
     time_scale: NonNegativeFloat = 1.0
+    # What its engine honours beyond plain generation (ENGINE_FEATURES): ingress refuses, with
+    # a 400 naming the parameter, what no live worker of the model honours.
+    features: list[str] = []
+
+
+# What an engine may honour beyond plain generation, as announced in `WorkerState.features`:
+# log-probabilities; an output forced to be a tool call; an output forced to be JSON.
+ENGINE_FEATURES = ("logprobs", "tool_call", "json")
 
 
 class WorkerControl(Event, frozen=True, kw_only=True, tag="worker.control.v1"):

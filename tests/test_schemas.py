@@ -95,8 +95,37 @@ CHOSEN = events.RouteOption(
 )
 
 # One valid instance of every value Struct (not events).
+CALL = events.ToolCall(
+    id="call_1", function=events.FunctionCall(name="get_weather", arguments='{"city": "Oslo"}')
+)
+WEATHER = events.ToolFunction(
+    name="get_weather",
+    description="the weather in a city",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
 VALUES: list[events.Struct] = [
     ChatMessage(role="user", content="hello"),
+    CALL,
+    CALL.function,
+    events.ToolSpec(function=WEATHER),
+    WEATHER,
+    events.NamedToolChoice(function=events.NamedFunction(name="get_weather")),
+    events.NamedFunction(name="get_weather"),
+    events.ResponseFormat(type="json_schema", json_schema=events.JsonSchemaFormat(schema={"type": "object"})),
+    events.JsonSchemaFormat(name="answer", schema={"type": "object"}, strict=True),
+    events.OutputConstraint(kind="tool_call", tools=[WEATHER]),
+    events.TokenLogprob(
+        token_id=300,
+        token=" the",
+        logprob=-0.5,
+        top=[events.TokenAlternative(token_id=300, token=" the", logprob=-0.5)],
+    ),
+    events.TokenAlternative(token_id=301, token=" of", logprob=-1.5),
+    events.TextPart(text="hello"),
+    events.RefusalPart(refusal="no"),
+    events.ImagePart(image_url={"url": "https://example.com/a.png"}),
+    events.AudioPart(input_audio={"data": "", "format": "wav"}),
+    events.FilePart(file={"file_id": "file-1"}),
     WORKFLOW,
     USAGE,
     REQUEST,
@@ -132,7 +161,21 @@ SAMPLES: list[Event] = [
         messages=[
             ChatMessage(role="system", content="be brief"),
             ChatMessage(role="user", content="hi"),
+            ChatMessage(
+                role="user",
+                content=[
+                    events.TextPart(text="what is in "),
+                    events.ImagePart(image_url={"url": "https://example.com/a.png"}),
+                    events.AudioPart(input_audio={"data": "", "format": "wav"}),
+                    events.FilePart(file={"file_id": "file-1"}),
+                ],
+            ),
+            ChatMessage(role="assistant", content=[events.RefusalPart(refusal="no")], tool_calls=[CALL]),
+            ChatMessage(role="tool", content="12 C", tool_call_id="call_1"),
         ],
+        tools=[events.ToolSpec(function=WEATHER)],
+        tool_choice="auto",
+        logprobs=2,
         max_tokens=64,
         temperature=0.2,
         priority="sheddable",

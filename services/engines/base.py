@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
-from schemas.events import InferenceRequest, KvHandle
+from schemas.events import InferenceRequest, KvHandle, TokenLogprob
 
 
 class EngineError(Exception):
@@ -35,6 +35,9 @@ class EngineInfo:
     # Wall seconds per second of the GPU work it models: 1 on real hardware; a sim engine run
     # faster (`RealClock(time_scale)`) less, so the router can predict in wall-clock time.
     time_scale: float = 1.0
+    # What it honours beyond plain generation (schemas.events.ENGINE_FEATURES): "logprobs",
+    # "tool_call" and "json" (an output constraint of that kind). Heartbeats announce them.
+    features: frozenset[str] = frozenset()
 
 
 def check_request(
@@ -59,6 +62,10 @@ def check_request(
         )
     if vocab_size and (min(prompt) < 0 or max(prompt) >= vocab_size):
         raise EngineError(f"prompt has token ids outside the model's vocabulary (0..{vocab_size - 1})")
+    if request.logprobs is not None and "logprobs" not in info.features:
+        raise EngineError(f"the {info.engine} engine does not compute log-probabilities")
+    if request.constraint is not None and request.constraint.kind not in info.features:
+        raise EngineError(f"the {info.engine} engine cannot force a {request.constraint.kind} output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +103,16 @@ class PrefillResult:
     cached_tokens: int
     gpu_seconds: float
     kv: KvHandle
+    # The first token's log-probability, when the request asked for them.
+    first_logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeStep:
     token_ids: list[int]
     finish_reason: str | None  # "length" or "stop" on the last step
+    # One per token id, when the request asked for log-probabilities.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Engine(Protocol):

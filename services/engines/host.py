@@ -156,6 +156,7 @@ class EngineHost:
             queued_tokens=snap.queued_tokens,
             context_tokens=snap.context_tokens,
             adapters=list(info.adapters),
+            features=sorted(info.features),
             time_scale=info.time_scale,
         )
 
@@ -308,6 +309,7 @@ class EngineHost:
                     seq=seq,
                     token_ids=[result.first_token_id],
                     text=self.engine.detokenize([result.first_token_id]),
+                    logprobs=[result.first_logprob] if result.first_logprob is not None else None,
                 ),
             )
             # Let the connection's flusher send the first token now, before the hand-off's work
@@ -374,7 +376,7 @@ class EngineHost:
                 # any two placements of the request (a migration, a worker thought lost that was
                 # not) number the same token the same, and a reader's de-duplication by seq
                 # never mixes them up.
-                for token in step.token_ids:
+                for i, token in enumerate(step.token_ids):
                     await self.runtime.bus.publish_fast(
                         subject,
                         TokenChunk(
@@ -384,6 +386,7 @@ class EngineHost:
                             seq=seq,
                             token_ids=[token],
                             text=self.engine.detokenize([token]),
+                            logprobs=[step.logprobs[i]] if step.logprobs is not None else None,
                         ),
                     )
                     seq += 1

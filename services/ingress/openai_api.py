@@ -11,32 +11,79 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from schemas.events import ChatMessage, Usage
+from schemas.events import ChatMessage, ResponseFormat, TokenLogprob, ToolChoice, ToolSpec, Usage
+from services.ingress.tool_calls import ParsedCall, ToolCallReader, parse_tool_calls
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatCompletionBody(msgspec.Struct, kw_only=True):
+# Sampling parameters no engine here honours: refused (a 400 naming the parameter) unless left
+# at the value that changes nothing, so a client never gets output it did not ask for.
+UNSUPPORTED_UNLESS = {
+    "top_p": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
+
+
+class _Common(msgspec.Struct, kw_only=True):
     model: str
+    temperature: float = 1.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted, and what they ask holds here: engines are deterministic per request (seed), and
+    # any number of tool calls is read out of the output (parallel_tool_calls).
+    seed: int | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    def refused_parameter(self) -> str | None:
+        """The first parameter set to something no engine here does, if any."""
+        for name, neutral in UNSUPPORTED_UNLESS.items():
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                return name
+        if self.stop:
+            return "stop"
+        if self.logit_bias:
+            return "logit_bias"
+        return None
+
+
+class ChatCompletionBody(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
-class CompletionBody(msgspec.Struct, kw_only=True):
-    model: str
+class CompletionBody(_Common, kw_only=True):
     prompt: str | list[str]
     max_tokens: int = 16
-    temperature: float = 1.0
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    # The legacy API's: how many alternatives besides each token (0-5 at OpenAI; up to 20 here).
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
+    suffix: str | None = None
+
+    def refused_parameter(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        return super().refused_parameter()
 
 
 def error_body(
@@ -55,13 +102,27 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 
 
 class ResponseShape:
-    """Builds chat or text-completion response objects for one request."""
+    """Builds chat or text-completion response objects for one request: its text, the tool calls
+    read out of it (`tool_calls`), its log-probabilities (`top_logprobs` alternatives, None for
+    none), chunk by chunk for a stream or whole."""
 
-    def __init__(self, api: Literal["chat", "completion"], request_id: str, model: str):
+    def __init__(
+        self,
+        api: Literal["chat", "completion"],
+        request_id: str,
+        model: str,
+        *,
+        tool_calls: bool = False,
+        top_logprobs: int | None = None,
+    ):
         self.api = api
         self.id = ("chatcmpl-" if api == "chat" else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
+        self.reader = ToolCallReader(f"call_{request_id[:24]}_") if tool_calls and api == "chat" else None
+        self.top_logprobs = top_logprobs
+        self._first = True
+        self._text_offset = 0
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -72,31 +133,117 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def chunk(self, text: str, finish_reason: str | None, *, first: bool) -> dict[str, Any]:
+    # ------------------------------------------------------------ log-probabilities
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        k = self.top_logprobs
         if self.api == "chat":
-            delta: dict[str, Any] = {"content": text}
-            if first:
+            return {
+                "content": [
+                    {
+                        "token": e.token,
+                        "logprob": e.logprob,
+                        "bytes": list(e.token.encode()),
+                        "top_logprobs": [
+                            {"token": a.token, "logprob": a.logprob, "bytes": list(a.token.encode())}
+                            for a in e.top[:k]
+                        ],
+                    }
+                    for e in entries
+                ],
+                "refusal": None,
+            }
+        offsets = []
+        for e in entries:
+            offsets.append(self._text_offset)
+            self._text_offset += len(e.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{a.token: a.logprob for a in e.top[:k]} for e in entries],
+            "text_offset": offsets,
+        }
+
+    # ------------------------------------------------------------ a stream
+
+    def _chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        *,
+        logprobs: dict[str, Any] | None = None,
+        calls: list[tuple[int, ParsedCall]] | None = None,
+    ) -> dict[str, Any]:
+        if self.api == "chat":
+            delta: dict[str, Any] = {"content": text} if text or not calls else {}
+            if self._first:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            if calls:
+                delta["tool_calls"] = [call.as_dict(index) for index, call in calls]
+            self._first = False
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        self._first = False
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._envelope("text_completion", [choice])
+
+    def chunks(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+        """The chunks to send for a piece of output (none while a tool call is being written)."""
+        calls: list[ParsedCall] = []
+        if self.reader is not None:
+            text, calls = self.reader.feed(text)
+        lp = self._logprobs(logprobs) if logprobs else None
+        out = []
+        if text or lp is not None or (self._first and not calls):
+            out.append(self._chunk(text, None, logprobs=lp))
+        if calls:
+            first_index = len(self.reader.calls) - len(calls) if self.reader else 0
+            out.append(self._chunk("", None, calls=list(enumerate(calls, first_index))))
+        return out
+
+    def final_chunks(self, finish_reason: str) -> list[dict[str, Any]]:
+        """What was held back, then the chunk with the finish reason."""
+        out = []
+        rest = self.reader.finish() if self.reader is not None else ""
+        if rest:
+            out.append(self._chunk(rest, None))
+        out.append(self._chunk("", self.finish_reason(finish_reason)))
+        return out
+
+    def finish_reason(self, engine_reason: str) -> str:
+        if self.reader is not None and self.reader.calls and engine_reason == "stop":
+            return "tool_calls"
+        return engine_reason
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         object_ = "chat.completion.chunk" if self.api == "chat" else "text_completion"
         return {**self._envelope(object_, []), "usage": usage_dict(usage)}
 
-    def complete(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    # ------------------------------------------------------------ whole
+
+    def complete(
+        self, text: str, logprobs: list[TokenLogprob], finish_reason: str, usage: Usage
+    ) -> dict[str, Any]:
+        lp = self._logprobs(logprobs)
         if self.api == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reader is not None:
+                content, calls = parse_tool_calls(text, self.reader.id_prefix)
+                if calls:
+                    message["content"] = content
+                    message["tool_calls"] = [call.as_dict() for call in calls]
+                    self.reader.calls = calls
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
+                "message": message,
+                "finish_reason": self.finish_reason(finish_reason),
+                "logprobs": lp,
             }
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_dict(usage)
         return body

@@ -7,8 +7,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.events import ChatMessage, InferenceRequest, PriorityClass, RequestApi, WorkflowRef
-from services.engines.tokenizer import tokenizer_for
+from schemas.events import (
+    ChatMessage,
+    InferenceRequest,
+    NamedToolChoice,
+    OutputConstraint,
+    PriorityClass,
+    RefusalPart,
+    RequestApi,
+    ResponseFormat,
+    TextPart,
+    ToolChoice,
+    ToolSpec,
+    WorkflowRef,
+)
+from services.engines.tokenizer import ChatTemplateError, tokenizer_for
 from services.mesh.block_hash import chain_block_hashes
 from services.mesh.config import MeshConfig
 
@@ -46,9 +59,108 @@ class ClientRequest:
     priority_level: int = 0  # its range is admission's to check
     deadline_ms: int | None = None
     workflow: WorkflowRef | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    # Log-probabilities: None, none; k, each token's own and its k likeliest alternatives.
+    logprobs: int | None = None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output's tool calls are read out of its text (tools offered, not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
-def prepare(request: ClientRequest, config: MeshConfig, now: float) -> InferenceRequest:
+# The parameters that need an engine feature (schemas.events.ENGINE_FEATURES), by feature.
+FEATURE_PARAMS = {"logprobs": "logprobs", "tool_call": "tool_choice", "json": "response_format"}
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What each role needs, and text only: a part of another kind is named in a 400."""
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if not isinstance(part, TextPart | RefusalPart):
+                    kind = type(part).__struct_config__.tag
+                    raise InvalidRequest(
+                        f"{where}.content[{j}] is a part of type {kind}; the models here take text only",
+                        param=f"{where}.content[{j}]",
+                    )
+        has_calls = bool(message.tool_calls) or message.function_call is not None
+        if message.role != "assistant" and has_calls:
+            raise InvalidRequest(
+                f"only assistant messages carry tool calls ({where})", param=f"{where}.tool_calls"
+            )
+        if message.content is None and not has_calls:
+            raise InvalidRequest(
+                f"{where}.content is null; only an assistant message with tool_calls may omit it",
+                param=f"{where}.content",
+            )
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidRequest(
+                f"{where} is a tool result without tool_call_id", param=f"{where}.tool_call_id"
+            )
+        if message.role == "function" and not message.name:
+            raise InvalidRequest(f"{where} is a function result without name", param=f"{where}.name")
+
+
+def output_constraint(request: ClientRequest) -> OutputConstraint | None:
+    """What the output must be, from tool_choice and response_format; a 400 for a choice that
+    names no offered tool or for both forced at once."""
+    tools = [tool.function for tool in request.tools or ()]
+    choice = request.tool_choice
+    forced_tools = None
+    if choice is not None and choice not in ("none", "auto") and not tools:
+        raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+    if choice == "required":
+        forced_tools = tools
+    elif isinstance(choice, NamedToolChoice):
+        named = [tool for tool in tools if tool.name == choice.function.name]
+        if not named:
+            raise InvalidRequest(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        forced_tools = named
+    fmt = request.response_format
+    wants_json = fmt is not None and fmt.type != "text"
+    if forced_tools is not None and wants_json:
+        raise InvalidRequest(
+            "a JSON response_format cannot be combined with a forced tool_choice", param="response_format"
+        )
+    if forced_tools is not None:
+        return OutputConstraint(kind="tool_call", tools=forced_tools)
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequest("response_format json_schema needs its json_schema", param="response_format")
+        return OutputConstraint(kind="json", json_schema=fmt.json_schema.schema)
+    if wants_json:
+        return OutputConstraint(kind="json", json_schema={"type": "object"})
+    return None
+
+
+def check_features(
+    logprobs: int | None, constraint: OutputConstraint | None, features: frozenset[str], model: str
+) -> None:
+    """A 400 naming the parameter that the workers serving `model` cannot honour."""
+    needed = (["logprobs"] if logprobs is not None else []) + ([constraint.kind] if constraint else [])
+    for feature in needed:
+        if feature not in features:
+            param = FEATURE_PARAMS[feature]
+            raise InvalidRequest(
+                f"{param} is not supported by the engine serving {model!r} "
+                f"(it supports: {', '.join(sorted(features)) or 'plain generation only'})",
+                param=param,
+                code="unsupported_parameter",
+            )
+
+
+def prepare(
+    request: ClientRequest, config: MeshConfig, now: float, features: frozenset[str] | None = None
+) -> InferenceRequest:
+    """`features`: what the model's live workers all honour (None: not known, not checked;
+    the engine then refuses what it cannot do)."""
     model = config.model(request.model)
     if model is None:
         known = ", ".join(m.name for m in config.models)
@@ -66,8 +178,20 @@ def prepare(request: ClientRequest, config: MeshConfig, now: float) -> Inference
         raise InvalidRequest("the deadline must be a positive number of ms", param="x-ripple-deadline-ms")
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
+    if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+        raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+    constraint = output_constraint(request)
+    if features is not None:
+        check_features(request.logprobs, constraint, features, request.model)
     tokenizer = tokenizer_for(model.path)
-    text = request.prompt if request.prompt is not None else tokenizer.render_chat(request.messages or [])
+    if request.messages is not None:
+        check_messages(request.messages)
+        try:
+            text = tokenizer.render_chat(request.messages, request.tools or ())
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
+    else:
+        text = request.prompt or ""
     tokens = tokenizer.encode(text)
     if not tokens:
         raise InvalidRequest("the prompt is empty", param="prompt")
@@ -99,4 +223,6 @@ def prepare(request: ClientRequest, config: MeshConfig, now: float) -> Inference
         deadline_at=now + request.deadline_ms / 1000 if request.deadline_ms else None,
         workflow=request.workflow,
         submitted_at=now,
+        logprobs=request.logprobs,
+        constraint=constraint,
     )

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -38,26 +39,31 @@ from schemas.events import (
     SubmitRequest,
     TokenChunk,
     TokenEvent,
+    TokenLogprob,
     WorkflowRef,
     derived_event_id,
     new_event_id,
 )
 from schemas.subjects import (
     INGRESS_CONSUMER,
+    WORKERS,
     event_subject,
     prepared_subject,
     tenant_of,
     tokens_subject,
 )
 from services.ingress.cancel import ClientGone, cancelled, until_disconnect
+from services.ingress.fleet import FleetView
 from services.ingress.openai_api import (
     ChatCompletionBody,
     CompletionBody,
     ResponseShape,
     error_body,
 )
+from services.ingress.openapi import openapi_document
 from services.ingress.prepare import ClientRequest, InvalidRequest, prepare
 from services.mesh.consumer import Delivery
+from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
 from services.mesh.runtime import Runtime
 from services.mesh.token_stream import StreamTimeout, TokenStream, stored_messages
@@ -114,6 +120,14 @@ def _error(
         status_code=status,
         headers=headers,
     )
+
+
+def _client_request_id(request: Request) -> str | None:
+    """The client's own `x-request-id`, echoed and recorded (printable ASCII, at most 128)."""
+    raw = request.headers.get("x-request-id")
+    if raw is None or not 0 < len(raw) <= 128 or not raw.isascii() or not raw.isprintable():
+        return None
+    return raw
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -192,6 +206,7 @@ class IngressService:
 
     def __init__(self) -> None:
         self.runtime: Runtime | None = None
+        self.fleet = FleetView()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -205,19 +220,38 @@ class IngressService:
             direct=True,
             on_undecodable=self._on_undecodable_submission,
         )
+        runtime.spawn(self._watch_workers(), "workers-watch")
+
+    async def _watch_workers(self) -> None:
+        """The WORKERS bucket: who serves what, for /health, /v1/models and feature checks."""
+        watch = HeartbeatWatch(await self._rt.bus.key_value(WORKERS))
+        async for entry in watch.updates():
+            self.fleet.observe(entry.key, entry.value, entry.operation)
 
     async def stop(self) -> None:
         return None
 
     def health(self) -> dict[str, Any]:
-        return {}
+        return {"live_workers": len(self.fleet.live(time.time()))}
 
     def routes(self) -> list[BaseRoute]:
         return [
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/openapi.json", self._openapi, methods=["GET"]),
         ]
+
+    def exception_handlers(self) -> dict[Any, Any]:
+        """Starlette's own errors (an unknown path, a wrong method) in the OpenAI error shape."""
+
+        async def http_error(request: Request, exc: Exception) -> Response:
+            status = exc.status_code if isinstance(exc, HTTPException) else 500
+            detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+            return _error(status, f"{request.method} {request.url.path}: {detail}")
+
+        return {HTTPException: http_error}
 
     @property
     def _rt(self) -> Runtime:
@@ -235,11 +269,39 @@ class IngressService:
     async def _models(self, request: Request) -> Response:
         if self._authenticate(request) is None:
             return _error(401, "invalid or missing API key", code="invalid_api_key")
-        data = [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "ripplemesh"}
-            for m in self._rt.config.models
-        ]
+        now = time.time()
+        data = []
+        for m in self._rt.config.models:
+            features = self.fleet.features(m.name, now)
+            data.append(
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ripplemesh",
+                    "max_model_len": m.max_context_tokens,
+                    "live_workers": len(self.fleet.live(now, m.name)),
+                    "features": sorted(features) if features is not None else [],
+                }
+            )
         return JSONResponse({"object": "list", "data": data})
+
+    async def _health(self, _: Request) -> Response:
+        """200 when the mesh can serve: connected to NATS and a live worker for some model."""
+        now = time.time()
+        live = {m.name: len(self.fleet.live(now, m.name)) for m in self._rt.config.models}
+        reason = None
+        if not self._rt.bus.nc.is_connected:
+            reason = "not connected to NATS"
+        elif not any(live.values()):
+            reason = "no live worker for any model"
+        body: dict[str, Any] = {"status": "ok" if reason is None else "unavailable", "live_workers": live}
+        if reason is not None:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=200 if reason is None else 503)
+
+    async def _openapi(self, _: Request) -> Response:
+        return JSONResponse(openapi_document())
 
     async def _chat(self, request: Request) -> Response:
         return await self._serve(request, "chat")
@@ -272,12 +334,17 @@ class IngressService:
 
     async def _serve(self, request: Request, api: Literal["chat", "completion"]) -> Response:
         route = request.url.path
+        client_request_id = _client_request_id(request)
         with tracer().start_as_current_span(
             f"POST {route}",
             kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "http.route": route},
         ) as span:
+            if client_request_id is not None:
+                span.set_attribute("ripple.client_request_id", client_request_id)
             response = await self._serve_traced(request, api, span)
+            if client_request_id is not None:
+                response.headers["x-request-id"] = client_request_id
             span.set_attribute("http.response.status_code", response.status_code)
             if response.status_code >= 500:
                 span.set_status(Status(StatusCode.ERROR))
@@ -296,7 +363,9 @@ class IngressService:
         try:
             raw = await self._read_body(request)
             client_request, stream, include_usage = self._parse(raw, api, request, tenant, request_id)
-            prepared = prepare(client_request, self._rt.config, time.time())
+            now = time.time()
+            features = self.fleet.features(client_request.model, now)
+            prepared = prepare(client_request, self._rt.config, now, features)
         except InvalidRequest as exc:
             return _error(exc.status, exc.message, param=exc.param, code=exc.code)
         except ClientDisconnect:
@@ -337,7 +406,13 @@ class IngressService:
                 first.http_status, first.message, code=first.code, retry_after_s=first.retry_after_s
             )
         TTFT.observe(time.time() - prepared.submitted_at)
-        shape = ResponseShape(api, request_id, prepared.model)
+        shape = ResponseShape(
+            api,
+            request_id,
+            prepared.model,
+            tool_calls=client_request.parses_tool_calls,
+            top_logprobs=prepared.logprobs,
+        )
         if stream:
             return StreamingResponse(
                 self._sse(shape, first, events, tokens, include_usage, prepared),
@@ -369,10 +444,16 @@ class IngressService:
         tenant: str,
         request_id: str,
     ) -> tuple[ClientRequest, bool, bool]:
+        tools, tool_choice, response_format, logprobs = None, None, None, None
         try:
             if api == "chat":
                 chat = msgspec.json.decode(raw, type=ChatCompletionBody)
+                body: ChatCompletionBody | CompletionBody = chat
                 prompt, messages = None, chat.messages
+                tools, tool_choice, response_format = chat.tools, chat.tool_choice, chat.response_format
+                if chat.top_logprobs is not None and not chat.logprobs:
+                    raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+                logprobs = (chat.top_logprobs or 0) if chat.logprobs else None
                 # `is not None`, not `or`: an explicit 0 is refused by prepare(), not replaced.
                 max_tokens = next(
                     (n for n in (chat.max_completion_tokens, chat.max_tokens) if n is not None), 256
@@ -385,6 +466,8 @@ class IngressService:
                 )
             else:
                 completion = msgspec.json.decode(raw, type=CompletionBody)
+                body = completion
+                logprobs = completion.logprobs
                 if isinstance(completion.prompt, list):
                     if len(completion.prompt) != 1:
                         raise InvalidRequest(
@@ -401,6 +484,13 @@ class IngressService:
             raise InvalidRequest(f"invalid request body: {exc}", param=_field_of(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        refused = body.refused_parameter()
+        if refused is not None:
+            raise InvalidRequest(
+                f"{refused} is not supported by ripplemesh's engines; leave it unset",
+                param=refused,
+                code="unsupported_parameter",
+            )
         priority, priority_level, deadline_ms, workflow = _ripple_headers(request)
         client_request = ClientRequest(
             request_id=request_id,
@@ -415,6 +505,10 @@ class IngressService:
             priority_level=priority_level,
             deadline_ms=deadline_ms,
             workflow=workflow,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            logprobs=logprobs,
         )
         return client_request, stream, bool(options and options.include_usage)
 
@@ -430,14 +524,14 @@ class IngressService:
         ended = False  # a final event came: nothing left to cancel
         try:
             event: TokenEvent | None = first
-            is_first = True
             while event is not None:
                 if isinstance(event, TokenChunk):
-                    yield _sse(shape.chunk(event.text, None, first=is_first))
-                    is_first = False
+                    for chunk in shape.chunks(event.text, event.logprobs):
+                        yield _sse(chunk)
                 elif isinstance(event, StreamFinished):
                     ended = True
-                    yield _sse(shape.chunk("", event.finish_reason, first=is_first))
+                    for chunk in shape.final_chunks(event.finish_reason):
+                        yield _sse(chunk)
                     if include_usage:
                         yield _sse(shape.usage_chunk(event.usage))
                     break
@@ -464,15 +558,19 @@ class IngressService:
         prepared: InferenceRequest,
     ) -> Response:
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         ended = False  # a final event came: nothing left to cancel
         try:
             event: TokenEvent | None = first
             while event is not None:
                 if isinstance(event, TokenChunk):
                     parts.append(event.text)
+                    logprobs.extend(event.logprobs or ())
                 elif isinstance(event, StreamFinished):
                     ended = True
-                    return JSONResponse(shape.complete("".join(parts), event.finish_reason, event.usage))
+                    return JSONResponse(
+                        shape.complete("".join(parts), logprobs, event.finish_reason, event.usage)
+                    )
                 else:
                     ended = True
                     return _error(
@@ -552,9 +650,14 @@ class IngressService:
                     priority_level=submission.priority_level,
                     deadline_ms=submission.deadline_ms,
                     workflow=submission.workflow,
+                    tools=submission.tools,
+                    tool_choice=submission.tool_choice,
+                    response_format=submission.response_format,
+                    logprobs=submission.logprobs,
                 ),
                 self._rt.config,
                 submission.occurred_at or time.time(),
+                self.fleet.features(submission.model, time.time()),
             )
         except InvalidRequest as exc:
             NATS_SUBMISSIONS.labels("invalid").inc()

@@ -224,7 +224,8 @@ def _http_app(runtime_ref: dict[str, Any], service: Service) -> Starlette:
         Route("/healthz", healthz),
         *service.routes(),
     ]
-    return Starlette(routes=routes)
+    handlers = getattr(service, "exception_handlers", None)
+    return Starlette(routes=routes, exception_handlers=handlers() if handlers is not None else None)
 
 
 # Off the requests' path (the ledger, the autoscaler): CPU goes to the services on it first
