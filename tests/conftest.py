@@ -15,8 +15,10 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
+from openai import OpenAI
 
 from ripplemesh.launcher import Mesh
 from services.mesh.bus import Bus
@@ -170,3 +172,29 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.1):  # 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s")
         time.sleep(interval_s)
+
+
+async def async_wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
+    """wait_until for a test on the event loop: the loop runs while it waits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)
+
+
+def openai_client(mesh: Mesh) -> OpenAI:
+    """The official client on the mesh's HTTP API, as a user points it there."""
+    return OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key=TEST_KEY, max_retries=0)
+
+
+def wait_for_workers(mesh: Mesh) -> None:
+    """Ingress knows the workers (and so what they honour) once their heartbeats reached it."""
+
+    def ready() -> bool:
+        return httpx.get(f"http://127.0.0.1:{mesh.http_port}/health", timeout=5).status_code == 200
+
+    wait_until(ready, timeout_s=30)

@@ -29,7 +29,7 @@ from schemas.subjects import TOKENS, request_subject, tokens_subject
 from services.mesh.bus import Bus
 from services.mesh.embedded_nats import EmbeddedNats
 from services.mesh.nats_auth import NatsAuth, NatsCredentials
-from tests.conftest import TEST_KEY
+from tests.conftest import TEST_KEY, async_wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,14 +83,6 @@ async def _collect(nc: NatsClient, subject: str) -> tuple[list[Msg], object]:
     return received, sub
 
 
-async def _wait_for(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(0.05)
-
-
 # ---------------------------------------------------------------- NATS: the server refuses
 
 
@@ -108,7 +100,7 @@ async def test_a_tenant_submits_only_on_its_own_subject(acme: Connection, servic
     # Another tenant's subject: refused by the server; no one receives it, nothing is stored.
     await acme.nc.publish(request_subject("tiny"), encode_event(event))
     await acme.nc.flush()
-    await _wait_for(lambda: acme.violations())
+    await async_wait_until(lambda: acme.violations())
     assert f'publish to "{request_subject("tiny")}"' in acme.violations()[0]
     with pytest.raises(nats.errors.Error):  # no ack: the message never reached the stream
         await acme.nc.jetstream().publish(request_subject("tiny"), b"{}", timeout=1)
@@ -124,7 +116,7 @@ async def test_a_tenant_reads_only_its_own_tokens(acme: Connection, services: Na
     everyone, _ = await _collect(acme.nc, "rmesh.tokens.>")
     inboxes, _ = await _collect(acme.nc, "_INBOX.>")  # the services' replies
     tiny_inboxes, _ = await _collect(acme.nc, "_INBOX_tiny.>")
-    await _wait_for(lambda: len(acme.violations()) >= 4)
+    await async_wait_until(lambda: len(acme.violations()) >= 4)
     refused = " ".join(acme.violations())
     for subject in (tokens_subject("tiny", request_id), "rmesh.tokens.>", "_INBOX.>", "_INBOX_tiny.>"):
         assert f'subscription to "{subject}"'.lower() in refused  # (nats-py lowercases errors)
@@ -134,7 +126,7 @@ async def test_a_tenant_reads_only_its_own_tokens(acme: Connection, services: Na
     await services.publish("_INBOX.someone.1", b"a service's reply")
     await services.publish("_INBOX_tiny.someone.1", b"tiny's reply")
     await services.flush()
-    await _wait_for(lambda: len(own) == 1)
+    await async_wait_until(lambda: len(own) == 1)
     await asyncio.sleep(QUIET_S)
     assert [m.data for m in own] == [b"acme's token"]
     assert theirs == everyone == inboxes == tiny_inboxes == []
@@ -150,7 +142,7 @@ async def test_a_tenant_has_no_jetstream_api(acme: Connection, services: NatsCli
         await js.subscribe(tokens_subject("tiny", "x"), stream=TOKENS.name, ordered_consumer=True)
     with pytest.raises(nats.errors.Error):
         await js.key_value("WORKERS")
-    await _wait_for(lambda: any("$js.api" in v.lower() for v in acme.violations()))
+    await async_wait_until(lambda: any("$js.api" in v.lower() for v in acme.violations()))
 
 
 async def test_a_tenant_needs_its_own_password(nats_server: EmbeddedNats, nats_auth: NatsAuth) -> None:
@@ -191,7 +183,7 @@ async def test_a_tenant_streams_its_requests_and_replays_only_its_own(mesh: Mesh
         await client.nc.jetstream().publish(
             request_subject("acme"), encode_event(replay), headers={"Nats-Msg-Id": replay.event_id}
         )
-        await _wait_for(lambda: len(again) == result.chunks + 1, timeout_s=10)
+        await async_wait_until(lambda: len(again) == result.chunks + 1, timeout_s=10)
         assert sorted(json.loads(m.data)["seq"] for m in again) == list(range(result.chunks + 1))
 
         # Another tenant asks for the same request's replay: on its own subject, which names
@@ -231,7 +223,7 @@ async def test_a_tenant_cannot_submit_as_another(mesh: Mesh) -> None:
         )
         await nc.publish(request_subject("acme"), encode_event(submission))
         await nc.flush()
-        await _wait_for(lambda: forged.violations())
+        await async_wait_until(lambda: forged.violations())
         await asyncio.sleep(3.0)
         assert tokens == []
         assert _ledger_row(mesh, request_id) is None

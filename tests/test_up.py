@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,15 +36,31 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("nats_nodes", [1, 3], ids=["one-nats-server", "nats-cluster-3"])
-def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_nodes: int) -> None:
-    port = free_port()
-    data_dir = tmp_path / "mesh-data"
-    env = {
+def _user_env() -> dict[str, str]:
+    """The environment as a user's shell has it: no collector, no NATS of the machine's."""
+    return {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("OTEL_") and k not in ("NATS_URL", "RIPPLEMESH_NATS_CREDENTIALS")
     }
+
+
+@dataclass
+class RunningUp:
+    port: int
+    data_dir: Path
+    ready_line: str
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="rm-demo-key", max_retries=0)
+
+
+@contextlib.contextmanager
+def running_up(tmp_path: Path, *args: str) -> Iterator[RunningUp]:
+    """`ripplemesh up ARGS` as a user runs it, until READY; on leaving, SIGTERM, a clean exit
+    and nothing left running."""
+    port = free_port()
+    data_dir = tmp_path / "mesh-data"
     process = subprocess.Popen(
         [
             sys.executable,
@@ -50,15 +71,12 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_node
             str(port),
             "--data-dir",
             str(data_dir),
-            "--time-scale",
-            "0.05",
-            "--nats-cluster",
-            str(nats_nodes),
+            *args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env,
+        env=_user_env(),
     )
     try:
         assert process.stdout is not None
@@ -72,8 +90,24 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_node
             if line.startswith("READY"):
                 break
         assert lines and lines[-1].startswith("READY"), "".join(lines)
+        yield RunningUp(port, data_dir, lines[-1])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert returncode == 0
+    # Every service and the embedded nats-server are gone.
+    time.sleep(0.5)
+    assert _processes_mentioning(str(data_dir)) == []
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="rm-demo-key", max_retries=0)
+
+@pytest.mark.parametrize("nats_nodes", [1, 3], ids=["one-nats-server", "nats-cluster-3"])
+def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_nodes: int) -> None:
+    with running_up(tmp_path, "--time-scale", "0.05", "--nats-cluster", str(nats_nodes)) as up:
+        client = up.client()
         assert [m.id for m in client.models.list()] == ["llama-3-8b"]
         stream = client.chat.completions.create(
             model="llama-3-8b",
@@ -100,8 +134,8 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_node
 
         # NATS: every node listed; the tenant's credentials written for its owner only, and
         # `ripplemesh submit` finds them (and the servers) in the data directory.
-        assert len(lines[-1].split()[2].split(",")) == nats_nodes
-        credentials = data_dir / "credentials" / "tenant-demo.json"
+        assert len(up.ready_line.split()[2].split(",")) == nats_nodes
+        credentials = up.data_dir / "credentials" / "tenant-demo.json"
         assert credentials.stat().st_mode & 0o777 == 0o600
         submitted = subprocess.run(
             [
@@ -113,26 +147,95 @@ def test_up_serves_the_openai_client_and_stops_cleanly(tmp_path: Path, nats_node
                 "--max-tokens",
                 "4",
                 "--data-dir",
-                str(data_dir),
+                str(up.data_dir),
             ],
             capture_output=True,
             text=True,
             timeout=60,
-            env=env,
+            env=_user_env(),
         )
         assert submitted.returncode == 0, submitted.stderr
         assert submitted.stdout.strip()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            returncode = process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert returncode == 0
-    # Every service and the embedded nats-server are gone.
-    time.sleep(0.5)
-    assert _processes_mentioning(str(data_dir)) == []
+
+
+SEARCH_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search_docs",
+            "description": "Search the documentation for a query",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "limit": {"type": "integer", "minimum": 1}},
+                "required": ["query"],
+            },
+        },
+    }
+]
+AGENT_SYSTEM = (
+    "You are a research agent. Use the search_docs tool to look things up, one query at a time, "
+    "and answer once you have read enough. Keep each answer short and cite what you read. "
+) * 6
+
+
+def test_a_five_step_tool_using_agent_runs_through_up_and_reuses_its_prefix(tmp_path: Path) -> None:
+    """An agent as a user writes one with the official client: the model calls a tool, the tool's
+    result goes back in the history (assistant tool_calls with null content, then a tool
+    message), and the next call extends the conversation; the workflow headers say which step."""
+    with running_up(tmp_path, "--time-scale", "0.05") as up:
+        client = up.client()
+        messages: list[dict[str, object]] = [
+            {"role": "system", "content": AGENT_SYSTEM},
+            {"role": "user", "content": [{"type": "text", "text": "How does the router pick a worker?"}]},
+        ]
+        usages = []
+        for step in range(1, 6):
+            last = step == 5
+            reply = client.chat.completions.create(
+                model="llama-3-8b",
+                messages=messages,  # type: ignore[arg-type]
+                tools=SEARCH_TOOLS,  # type: ignore[arg-type]
+                tool_choice="none" if last else "required",
+                max_tokens=120,
+                extra_headers={
+                    "x-ripple-workflow-id": "agent-run-1",
+                    "x-ripple-workflow-step": str(step),
+                    "x-ripple-workflow-steps": "5",
+                },
+            )
+            choice = reply.choices[0]
+            assert reply.usage is not None
+            usages.append(reply.usage)
+            if last:
+                assert choice.finish_reason == "length" and choice.message.content
+                assert not choice.message.tool_calls
+                break
+            assert choice.finish_reason == "tool_calls"
+            (call,) = choice.message.tool_calls or []
+            assert call.function.name == "search_docs"
+            arguments = json.loads(call.function.arguments)
+            assert isinstance(arguments["query"], str)
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.function.name, "arguments": call.function.arguments},
+                        }
+                    ],
+                }
+            )
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": f"result {step}: " + "text " * 40}
+            )
+        # Each step's prompt extends the previous one, and the mesh finds that prefix cached.
+        for before, after in itertools.pairwise(usages):
+            assert after.prompt_tokens > before.prompt_tokens
+            cached = after.prompt_tokens_details.cached_tokens if after.prompt_tokens_details else 0
+            assert (cached or 0) >= 0.9 * before.prompt_tokens, (cached, before.prompt_tokens)
 
 
 def test_up_refuses_a_deferral_queue_the_admission_consumer_cannot_hold(tmp_path: Path) -> None:

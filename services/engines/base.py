@@ -66,6 +66,9 @@ def check_request(
         raise EngineError(f"the {info.engine} engine does not compute log-probabilities")
     if request.constraint is not None and request.constraint.kind not in info.features:
         raise EngineError(f"the {info.engine} engine cannot force a {request.constraint.kind} output")
+    constraint = request.constraint
+    if constraint is not None and constraint.kind == "tool_call" and not constraint.tools:
+        raise EngineError("a tool_call constraint names no tools to call")
 
 
 @dataclass(frozen=True, slots=True)

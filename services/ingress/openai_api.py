@@ -28,12 +28,18 @@ UNSUPPORTED_UNLESS = {
 }
 
 
+# Each choice is a sequence the mesh admits, places and bills; a bound keeps one request from
+# becoming a burst (vLLM's own is its max_num_seqs).
+MAX_CHOICES = 16
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str
     temperature: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    # Choices: n sequences, the first prefilled, the others placed on its cached prompt.
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -102,9 +108,9 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 
 
 class ResponseShape:
-    """Builds chat or text-completion response objects for one request: its text, the tool calls
-    read out of it (`tool_calls`), its log-probabilities (`top_logprobs` alternatives, None for
-    none), chunk by chunk for a stream or whole."""
+    """Builds chat or text-completion response objects for one choice (`index`) of a request:
+    its text, the tool calls read out of it (`tool_calls`), its log-probabilities
+    (`top_logprobs` alternatives, None for none), chunk by chunk for a stream or whole."""
 
     def __init__(
         self,
@@ -112,14 +118,17 @@ class ResponseShape:
         request_id: str,
         model: str,
         *,
+        index: int = 0,
         tool_calls: bool = False,
         top_logprobs: int | None = None,
     ):
         self.api = api
         self.id = ("chatcmpl-" if api == "chat" else "cmpl-") + request_id
         self.model = model
+        self.index = index
         self.created = int(time.time())
-        self.reader = ToolCallReader(f"call_{request_id[:24]}_") if tool_calls and api == "chat" else None
+        call_ids = f"call_{request_id[:24]}_{index}_" if index else f"call_{request_id[:24]}_"
+        self.reader = ToolCallReader(call_ids) if tool_calls and api == "chat" else None
         self.top_logprobs = top_logprobs
         self._first = True
         self._text_offset = 0
@@ -183,10 +192,15 @@ class ResponseShape:
             if calls:
                 delta["tool_calls"] = [call.as_dict(index) for index, call in calls]
             self._first = False
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+            choice = {
+                "index": self.index,
+                "delta": delta,
+                "finish_reason": finish_reason,
+                "logprobs": logprobs,
+            }
             return self._envelope("chat.completion.chunk", [choice])
         self._first = False
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        choice = {"index": self.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._envelope("text_completion", [choice])
 
     def chunks(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
@@ -223,27 +237,37 @@ class ResponseShape:
 
     # ------------------------------------------------------------ whole
 
-    def complete(
-        self, text: str, logprobs: list[TokenLogprob], finish_reason: str, usage: Usage
-    ) -> dict[str, Any]:
+    def choice(self, text: str, logprobs: list[TokenLogprob], finish_reason: str) -> dict[str, Any]:
+        """The whole choice, as a non-streamed response lists it."""
         lp = self._logprobs(logprobs)
-        if self.api == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.reader is not None:
-                content, calls = parse_tool_calls(text, self.reader.id_prefix)
-                if calls:
-                    message["content"] = content
-                    message["tool_calls"] = [call.as_dict() for call in calls]
-                    self.reader.calls = calls
-            choice = {
-                "index": 0,
-                "message": message,
-                "finish_reason": self.finish_reason(finish_reason),
-                "logprobs": lp,
-            }
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
-            body = self._envelope("text_completion", [choice])
+        if self.api != "chat":
+            return {"index": self.index, "text": text, "finish_reason": finish_reason, "logprobs": lp}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reader is not None:
+            content, calls = parse_tool_calls(text, self.reader.id_prefix)
+            if calls:
+                message["content"] = content
+                message["tool_calls"] = [call.as_dict() for call in calls]
+                self.reader.calls = calls
+        return {
+            "index": self.index,
+            "message": message,
+            "finish_reason": self.finish_reason(finish_reason),
+            "logprobs": lp,
+        }
+
+    def response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        body = self._envelope("chat.completion" if self.api == "chat" else "text_completion", choices)
         body["usage"] = usage_dict(usage)
         return body
+
+
+def choices_usage(usages: list[Usage]) -> Usage:
+    """A request's usage over its choices: the prompt once (it is one prompt, as OpenAI counts
+    it), cached as the first choice found it, every choice's output."""
+    first = usages[0]
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+    )

@@ -38,8 +38,6 @@ from schemas.events import (
     StreamFinished,
     SubmitRequest,
     TokenChunk,
-    TokenEvent,
-    TokenLogprob,
     WorkflowRef,
     derived_event_id,
     new_event_id,
@@ -58,10 +56,12 @@ from services.ingress.openai_api import (
     ChatCompletionBody,
     CompletionBody,
     ResponseShape,
+    choices_usage,
     error_body,
 )
 from services.ingress.openapi import openapi_document
 from services.ingress.prepare import ClientRequest, InvalidRequest, prepare
+from services.ingress.relay import Choice, merged
 from services.mesh.consumer import Delivery
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
@@ -362,7 +362,9 @@ class IngressService:
         span.set_attribute("ripple.tenant", tenant)
         try:
             raw = await self._read_body(request)
-            client_request, stream, include_usage = self._parse(raw, api, request, tenant, request_id)
+            client_request, stream, include_usage, choices_asked = self._parse(
+                raw, api, request, tenant, request_id
+            )
             now = time.time()
             features = self.fleet.features(client_request.model, now)
             prepared = prepare(client_request, self._rt.config, now, features)
@@ -372,57 +374,101 @@ class IngressService:
             return Response(status_code=499)
         span.set_attribute("gen_ai.request.model", prepared.model)
         span.set_attribute("gen_ai.usage.input_tokens", len(prepared.prompt_tokens))
+        if choices_asked > 1:
+            span.set_attribute("gen_ai.request.choice.count", choices_asked)
 
-        tokens = TokenStream(
-            self._rt.bus.nc,
-            tokens_subject(tenant, request_id),
-            first_event_timeout_s=self._rt.config.first_token_timeout_s,
-            idle_timeout_s=self._rt.config.stream_idle_timeout_s,
-        )
-        await tokens.open()
-        events = tokens.events()
+        # Choice 0 is the request; each further one (n > 1) a sequence of its own, sent once the
+        # first is prefilled, so the router places it where that prompt is now cached and its
+        # prefill is a cache hit: the prompt is computed once for all n (the *share* move).
+        preparations = [prepared] + [
+            msgspec.structs.replace(prepared, request_id=f"{request_id}-{i}") for i in range(1, choices_asked)
+        ]
+        choices: list[Choice] = []
         try:
-            await self._rt.bus.publish(
-                prepared_subject(tenant),
-                RequestPrepared(event_id=new_event_id(), occurred_at=time.time(), request=prepared),
-            )
-            # Wait for the first event before answering, so a rejection gets its HTTP status.
-            first = await until_disconnect(request, anext(events))
+            for batch in (preparations[:1], preparations[1:]):
+                if not batch:
+                    continue
+                opened = [
+                    await self._open_choice(api, client_request, p, len(choices) + i)
+                    for i, p in enumerate(batch)
+                ]
+                choices += opened
+                for choice in opened:
+                    await self._rt.bus.publish(
+                        prepared_subject(tenant),
+                        RequestPrepared(
+                            event_id=new_event_id(), occurred_at=time.time(), request=choice.prepared
+                        ),
+                    )
+                # Wait for the first events before answering, so a rejection gets its HTTP status.
+                firsts = await until_disconnect(request, asyncio.gather(*(anext(c.events) for c in opened)))
+                for choice, first in zip(opened, firsts, strict=True):
+                    choice.first = first
+                    choice.saw(first)
+                failed = next((f for f in firsts if isinstance(f, StreamFailed)), None)
+                if failed is not None:
+                    await self._close(choices)
+                    return _error(
+                        failed.http_status,
+                        failed.message,
+                        code=failed.code,
+                        retry_after_s=failed.retry_after_s,
+                    )
+                if len(choices) == 1:
+                    TTFT.observe(time.time() - prepared.submitted_at)
         except ClientGone:
-            await tokens.close()
-            self._cancel(prepared)
+            await self._close(choices)
             return Response(status_code=499)
         except StreamTimeout as exc:
-            await tokens.close()
-            self._cancel(prepared)
+            await self._close(choices)
             return _error(504, f"no response from the mesh: {exc}", code="timeout")
         except Exception as exc:
-            await tokens.close()
+            await self._close(choices)
             log.exception("request could not be submitted")
             return _error(503, f"the mesh is unavailable: {exc!r}", code="unavailable")
-        if isinstance(first, StreamFailed):
-            await tokens.close()
-            return _error(
-                first.http_status, first.message, code=first.code, retry_after_s=first.retry_after_s
-            )
-        TTFT.observe(time.time() - prepared.submitted_at)
-        shape = ResponseShape(
-            api,
-            request_id,
-            prepared.model,
-            tool_calls=client_request.parses_tool_calls,
-            top_logprobs=prepared.logprobs,
-        )
         if stream:
             return StreamingResponse(
-                self._sse(shape, first, events, tokens, include_usage, prepared),
+                self._sse(choices, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Ripple-Request-Id": request_id},
             )
         try:
-            return await until_disconnect(request, self._collect(shape, first, events, tokens, prepared))
+            return await until_disconnect(request, self._collect(choices))
         except ClientGone:
             return Response(status_code=499)
+
+    async def _open_choice(
+        self,
+        api: Literal["chat", "completion"],
+        client_request: ClientRequest,
+        prepared: InferenceRequest,
+        index: int,
+    ) -> Choice:
+        """A choice's token stream, subscribed before its request is published."""
+        tokens = TokenStream(
+            self._rt.bus.nc,
+            tokens_subject(prepared.tenant, prepared.request_id),
+            first_event_timeout_s=self._rt.config.first_token_timeout_s,
+            idle_timeout_s=self._rt.config.stream_idle_timeout_s,
+        )
+        await tokens.open()
+        shape = ResponseShape(
+            api,
+            client_request.request_id,
+            prepared.model,
+            index=index,
+            tool_calls=client_request.parses_tool_calls,
+            top_logprobs=prepared.logprobs,
+        )
+        return Choice(prepared, shape, tokens, tokens.events())
+
+    async def _close(self, choices: list[Choice]) -> None:
+        """The choices' streams closed; the work of any not finished (the client went away, a
+        stream stalled, another choice failed) stopped."""
+        for choice in choices:
+            if not choice.ended:
+                self._cancel(choice.prepared)
+            await choice.tokens.close()
 
     def _cancel(self, prepared: InferenceRequest) -> None:
         """The client is gone (or its stream stalled): have the workers stop the request. In
@@ -443,7 +489,8 @@ class IngressService:
         request: Request,
         tenant: str,
         request_id: str,
-    ) -> tuple[ClientRequest, bool, bool]:
+    ) -> tuple[ClientRequest, bool, bool, int]:
+        """The request, whether to stream, whether with a usage chunk, how many choices."""
         tools, tool_choice, response_format, logprobs = None, None, None, None
         try:
             if api == "chat":
@@ -510,83 +557,51 @@ class IngressService:
             response_format=response_format,
             logprobs=logprobs,
         )
-        return client_request, stream, bool(options and options.include_usage)
+        return client_request, stream, bool(options and options.include_usage), body.n
 
-    async def _sse(
-        self,
-        shape: ResponseShape,
-        first: TokenEvent,
-        events: AsyncIterator[TokenEvent],
-        tokens: TokenStream,
-        include_usage: bool,
-        prepared: InferenceRequest,
-    ) -> AsyncIterator[bytes]:
-        ended = False  # a final event came: nothing left to cancel
+    async def _sse(self, choices: list[Choice], include_usage: bool) -> AsyncIterator[bytes]:
         try:
-            event: TokenEvent | None = first
-            while event is not None:
+            async for choice, event in merged(choices):
+                choice.saw(event)
                 if isinstance(event, TokenChunk):
-                    for chunk in shape.chunks(event.text, event.logprobs):
+                    for chunk in choice.shape.chunks(event.text, event.logprobs):
                         yield _sse(chunk)
                 elif isinstance(event, StreamFinished):
-                    ended = True
-                    for chunk in shape.final_chunks(event.finish_reason):
+                    for chunk in choice.shape.final_chunks(event.finish_reason):
                         yield _sse(chunk)
-                    if include_usage:
-                        yield _sse(shape.usage_chunk(event.usage))
-                    break
-                else:
-                    ended = True
+                elif isinstance(event, StreamFailed):
                     yield _sse(error_body(event.message, type_="server_error", code=event.code))
                     break
-                event = await anext(events, None)
+            usages = [c.usage for c in choices if c.usage is not None]
+            if include_usage and len(usages) == len(choices):
+                yield _sse(choices[0].shape.usage_chunk(choices_usage(usages)))
             yield _sse("[DONE]")
         except StreamTimeout as exc:
             yield _sse(error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout"))
             yield _sse("[DONE]")
         finally:
-            if not ended:  # the client went away (or the stream stalled): stop the work
-                self._cancel(prepared)
-            await tokens.close()
+            await self._close(choices)
 
-    async def _collect(
-        self,
-        shape: ResponseShape,
-        first: TokenEvent,
-        events: AsyncIterator[TokenEvent],
-        tokens: TokenStream,
-        prepared: InferenceRequest,
-    ) -> Response:
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        ended = False  # a final event came: nothing left to cancel
+    async def _collect(self, choices: list[Choice]) -> Response:
         try:
-            event: TokenEvent | None = first
-            while event is not None:
+            async for choice, event in merged(choices):
+                choice.saw(event)
                 if isinstance(event, TokenChunk):
-                    parts.append(event.text)
-                    logprobs.extend(event.logprobs or ())
-                elif isinstance(event, StreamFinished):
-                    ended = True
-                    return JSONResponse(
-                        shape.complete("".join(parts), logprobs, event.finish_reason, event.usage)
-                    )
-                else:
-                    ended = True
+                    choice.parts.append(event.text)
+                    choice.logprobs.extend(event.logprobs or ())
+                elif isinstance(event, StreamFailed):
                     return _error(
-                        event.http_status,
-                        event.message,
-                        code=event.code,
-                        retry_after_s=event.retry_after_s,
+                        event.http_status, event.message, code=event.code, retry_after_s=event.retry_after_s
                     )
-                event = await anext(events, None)
-            return _error(502, "the stream ended without a final event", code="internal")
+                elif event is None:
+                    return _error(502, "the stream ended without a final event", code="internal")
+            usages = [c.usage for c in choices if c.usage is not None]
+            body = [c.shape.choice("".join(c.parts), c.logprobs, c.finish_reason) for c in choices]
+            return JSONResponse(choices[0].shape.response(body, choices_usage(usages)))
         except StreamTimeout as exc:
             return _error(504, f"the stream stalled: {exc}", code="timeout")
         finally:
-            if not ended:  # the client went away (or the stream stalled): stop the work
-                self._cancel(prepared)
-            await tokens.close()
+            await self._close(choices)
 
     # ------------------------------------------------------------ NATS submissions
 

@@ -1,5 +1,5 @@
 """The hf engine with real torch: prefix reuse, KV hand-off between processes, batched decoding,
-GPU-time accounting and bad input. The model is a tiny random Llama (no download)."""
+GPU-time accounting, log-probabilities and bad input. The model is a tiny random Llama (no download)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 import msgspec  # noqa: E402
 
-from schemas.events import InferenceRequest, KvHandle  # noqa: E402
-from services.engines.base import EngineError, PrefillResult  # noqa: E402
+from schemas.events import InferenceRequest, KvHandle, OutputConstraint, TokenLogprob  # noqa: E402
+from services.engines.base import DecodeStep, EngineError, PrefillResult  # noqa: E402
 from services.engines.hf.engine import HfEngine  # noqa: E402
 from services.mesh.block_hash import chain_block_hashes  # noqa: E402
 
@@ -38,6 +38,8 @@ def make_request(
     model: str = MODEL,
     block_size: int = BLOCK,
     temperature: float = 0.0,
+    logprobs: int | None = None,
+    constraint: OutputConstraint | None = None,
 ) -> InferenceRequest:
     return InferenceRequest(
         request_id=request_id,
@@ -50,6 +52,8 @@ def make_request(
         max_tokens=max_tokens,
         temperature=temperature,
         submitted_at=time.time(),
+        logprobs=logprobs,
+        constraint=constraint,
     )
 
 
@@ -361,6 +365,187 @@ async def test_eos_ends_with_stop(engine: HfEngine) -> None:
         await stopper.stop()
     assert finish == "stop"
     assert stopped == tokens[:k]  # the EOS token itself is not streamed
+
+
+# ---------------------------------------------------------------- log-probabilities
+
+
+async def serve_with_logprobs(
+    engine: HfEngine, request: InferenceRequest
+) -> tuple[PrefillResult, list[int], list[DecodeStep]]:
+    """Aggregated serving, keeping the prefill result and every decode step."""
+    result = await engine.prefill(request)
+    tokens, steps = [result.first_token_id], []
+    async for step in engine.decode(request.request_id, result.first_token_id):
+        tokens += step.token_ids
+        steps.append(step)
+    return result, tokens, steps
+
+
+def streamed_logprobs(result: PrefillResult, steps: list[DecodeStep]) -> list[TokenLogprob]:
+    """The log-prob entries in stream order; each step has exactly one per token it streams."""
+    assert result.first_logprob is not None
+    entries = [result.first_logprob]
+    for step in steps:
+        if not step.token_ids:
+            assert not step.logprobs  # a stop on EOS: nothing streamed, no entry
+            continue
+        assert step.logprobs is not None and len(step.logprobs) == len(step.token_ids)
+        entries += step.logprobs
+    return entries
+
+
+def reference_logprobs(engine: HfEngine, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax of the raw logits predicting each output token: one plain forward pass of the
+    same model over prompt + output, no cache, no batching. Rows: [len(output), vocab]."""
+    ids = torch.tensor([prompt + output], dtype=torch.long, device=engine.lm.device)
+    with torch.inference_mode():
+        logits = engine.lm.model(input_ids=ids).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(output)].cpu()
+
+
+def check_against_reference(
+    engine: HfEngine, prompt: list[int], tokens: list[int], entries: list[TokenLogprob], k: int
+) -> None:
+    assert [e.token_id for e in entries] == tokens
+    reference = reference_logprobs(engine, prompt, tokens)
+    for position, (entry, row) in enumerate(zip(entries, reference, strict=True)):
+        assert entry.token == engine.lm.tokenizer.decode([entry.token_id])
+        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-4), position
+        assert len(entry.top) == k
+        values, ids = torch.topk(row, k)
+        assert [a.token_id for a in entry.top] == ids.tolist()
+        assert [a.logprob for a in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [a.logprob for a in entry.top] == sorted((a.logprob for a in entry.top), reverse=True)
+        assert all(a.token == engine.lm.tokenizer.decode([a.token_id]) for a in entry.top)
+
+
+async def test_greedy_logprobs_are_the_models_and_the_max(engine: HfEngine) -> None:
+    assert engine.info.features == frozenset({"logprobs"})
+    rng = random.Random(43)
+    prompt = random_tokens(rng, 40)
+    plain = await serve(engine, make_request("plain", prompt, max_tokens=12))
+    # The cached path too: a second request on the same prompt reuses its 2 full blocks.
+    for request_id in ("lp", "lp-cached"):
+        result, tokens, steps = await serve_with_logprobs(
+            engine, make_request(request_id, prompt, max_tokens=12, logprobs=3)
+        )
+        assert tokens == plain[1]  # asking for log-probs does not change the output
+        entries = streamed_logprobs(result, steps)
+        assert len(entries) == 12
+        for entry in entries:
+            assert entry.top[0].token_id == entry.token_id
+            assert entry.logprob == entry.top[0].logprob
+            assert entry.logprob == max(a.logprob for a in entry.top)
+            assert entry.logprob <= 0
+        check_against_reference(engine, prompt, tokens, entries, 3)
+    assert result.cached_tokens == 32
+
+
+async def test_sampled_tokens_report_their_raw_logit_logprob(engine: HfEngine) -> None:
+    rng = random.Random(47)
+    prompt = random_tokens(rng, 25)
+    temperature = 2.5
+    # The seed is the request id's: the same id samples the same tokens, with or without log-probs.
+    _, plain, _ = await serve(engine, make_request("t", prompt, max_tokens=24, temperature=temperature))
+    _, greedy, _ = await serve(engine, make_request("t", prompt, max_tokens=24))
+    result, tokens, steps = await serve_with_logprobs(
+        engine, make_request("t", prompt, max_tokens=24, temperature=temperature, logprobs=2)
+    )
+    assert tokens == plain != greedy  # it sampled
+    entries = streamed_logprobs(result, steps)
+    check_against_reference(engine, prompt, tokens, entries, 2)
+    # Not the tempered distribution's: log_softmax(logits / T) gives other values.
+    full = torch.tensor([prompt + tokens], dtype=torch.long, device=engine.lm.device)
+    with torch.inference_mode():
+        logits = engine.lm.model(input_ids=full).logits[0].float().cpu()
+    tempered = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 :]
+    assert all(
+        abs(entry.logprob - float(tempered[i, entry.token_id])) > 1e-2 for i, entry in enumerate(entries)
+    )
+    # Some sampled token was not the likeliest: its top[0] is another, with a higher log-prob.
+    assert any(e.top[0].token_id != e.token_id and e.top[0].logprob > e.logprob for e in entries)
+
+
+async def test_no_logprobs_unless_asked(engine: HfEngine) -> None:
+    prompt = random_tokens(random.Random(53), 30)
+    for temperature in (0.0, 0.8):
+        result, tokens, steps = await serve_with_logprobs(
+            engine, make_request(f"none-{temperature}", prompt, max_tokens=6, temperature=temperature)
+        )
+        assert len(tokens) == 6
+        assert result.first_logprob is None
+        assert all(step.logprobs is None for step in steps)
+
+
+async def test_logprobs_zero_gives_the_token_alone(engine: HfEngine) -> None:
+    prompt = random_tokens(random.Random(59), 20)
+    result, tokens, steps = await serve_with_logprobs(
+        engine, make_request("zero", prompt, max_tokens=5, logprobs=0)
+    )
+    entries = streamed_logprobs(result, steps)
+    assert len(entries) == 5 and all(entry.top == [] for entry in entries)
+    check_against_reference(engine, prompt, tokens, entries, 0)
+
+
+async def test_batched_decode_mixes_requests_with_and_without_logprobs(engine: HfEngine) -> None:
+    rng = random.Random(61)
+    wanted: list[int | None] = [None, 3, 0, None, 20, 1]
+    requests = [
+        make_request(f"mix-{i}", random_tokens(rng, n), max_tokens=16, temperature=t, logprobs=k)
+        for i, (n, t, k) in enumerate(
+            zip((9, 40, 75, 23, 130, 51), (0, 0, 0.7, 0.7, 0, 1.2), wanted, strict=True)
+        )
+    ]
+    alone = [await serve_with_logprobs(engine, r) for r in requests]
+    steps_before = engine.stats.decode_steps
+    # The same ids again (the seed is the id's), now all at once: one batch.
+    together = await asyncio.gather(*(serve_with_logprobs(engine, r) for r in requests))
+    assert engine.stats.max_batch == len(requests)
+    assert engine.stats.decode_steps - steps_before < len(requests) * 15 / 2  # they did batch
+    for request, k, (a_result, a_tokens, a_steps), (result, tokens, steps) in zip(
+        requests, wanted, alone, together, strict=True
+    ):
+        assert tokens == a_tokens and len(tokens) == 16
+        if k is None:
+            assert result.first_logprob is None and all(step.logprobs is None for step in steps)
+            continue
+        entries, alone_entries = streamed_logprobs(result, steps), streamed_logprobs(a_result, a_steps)
+        check_against_reference(engine, request.prompt_tokens, tokens, entries, k)
+        for entry, single in zip(entries, alone_entries, strict=True):
+            assert entry.token_id == single.token_id
+            assert entry.logprob == pytest.approx(single.logprob, abs=1e-4)
+            assert [a.token_id for a in entry.top] == [a.token_id for a in single.top]
+
+
+async def test_eos_has_no_logprob_entry(engine: HfEngine) -> None:
+    prompt = random_tokens(random.Random(67), 50)
+    _, tokens, _ = await serve(engine, make_request("free", prompt, max_tokens=20))
+    k = next(i for i in range(1, 20) if tokens[i] not in tokens[:i])
+    stopper = await started(HfEngine(model=MODEL, block_size=BLOCK, eos_token_ids={tokens[k]}))
+    try:
+        result, stopped, steps = await serve_with_logprobs(
+            stopper, make_request("stops", prompt, max_tokens=20, logprobs=2)
+        )
+    finally:
+        await stopper.stop()
+    assert stopped == tokens[:k]
+    assert steps[-1].finish_reason == "stop" and steps[-1].token_ids == []
+    entries = streamed_logprobs(result, steps)
+    assert [e.token_id for e in entries] == stopped
+    check_against_reference(engine, prompt, stopped, entries, 2)
+
+
+async def test_constrained_output_is_refused(engine: HfEngine) -> None:
+    rng = random.Random(71)
+    for kind in ("json", "tool_call"):
+        request = make_request(kind, random_tokens(rng, 20), constraint=OutputConstraint(kind=kind))
+        with pytest.raises(EngineError, match=f"cannot force a {kind} output") as raised:
+            await engine.prefill(request)
+        assert raised.value.code == "invalid"
+    assert engine.snapshot().kv_blocks_used == 0
+    _, tokens, _ = await serve(engine, make_request("after", random_tokens(rng, 20), max_tokens=3))
+    assert len(tokens) == 3
 
 
 # ---------------------------------------------------------------- loading

@@ -20,6 +20,13 @@ checks it against the request and installs it, so decode continues exactly as on
 worker. Imported full blocks join this worker's prefix cache too.
 
 EOS. A sampled EOS token ends the request with finish_reason "stop"; it is not streamed.
+
+Log-probabilities. For a request with `logprobs` set (only those), the compute thread reports each
+output token's log-probability, log_softmax of the model's raw logits (before temperature, as
+vLLM does by default), with the k likeliest alternatives (model.py, `token_logprobs`): the first
+token's in the PrefillResult, the others' in their DecodeSteps; an EOS that ends the request is
+not streamed and has none. The engine cannot constrain its output (tool calls, JSON):
+`check_request` refuses such requests.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from schemas.events import InferenceRequest, KvHandle
+from schemas.events import InferenceRequest, KvHandle, TokenLogprob
 from services.engines.base import (
     DecodeStep,
     EngineError,
@@ -49,7 +56,15 @@ from services.engines.base import (
 )
 from services.engines.hf import kv_io
 from services.engines.hf.blocks import KvBlockCache
-from services.engines.hf.model import DecodeBatch, LoadedModel, device_name, pick_device, sample, timed
+from services.engines.hf.model import (
+    DecodeBatch,
+    LoadedModel,
+    device_name,
+    pick_device,
+    sample,
+    timed,
+    token_logprobs,
+)
 from services.mesh.block_hash import chain_block_hashes
 
 log = logging.getLogger(__name__)
@@ -87,6 +102,7 @@ class _Sequence:
     decode_gpu_s: float = 0.0
     retired: bool = False  # released, or finished decoding
     first_token: asyncio.Future[int] | None = None
+    first_logprob: TokenLogprob | None = None  # set with first_token, when the request asks
     steps: asyncio.Queue[DecodeStep | EngineError] = field(default_factory=asyncio.Queue)
     seed: int = 0
 
@@ -140,7 +156,15 @@ class HfEngine:
                 budget = CPU_KV_CACHE_BYTES
             kv_cache_tokens = budget // shape.bytes_per_token
         self.blocks = KvBlockCache(max(1, kv_cache_tokens // block_size), block_size)
-        self.info = EngineInfo("hf", model, device_name(torch_device), block_size, self.blocks.total_blocks)
+        self.info = EngineInfo(
+            "hf",
+            model,
+            device_name(torch_device),
+            block_size,
+            self.blocks.total_blocks,
+            # Real log-probabilities; no constrained decoding (tool calls, JSON).
+            features=frozenset({"logprobs"}),
+        )
         self.max_running = max_running
         self.stats = HfStats()
         self._batch = DecodeBatch(self.lm)
@@ -245,6 +269,7 @@ class HfEngine:
             first_token_id=first,
             cached_tokens=cached,
             gpu_seconds=seq.prefill_gpu_s,
+            first_logprob=seq.first_logprob,
             kv=KvHandle(
                 source_worker="",
                 num_tokens=num_tokens,
@@ -408,7 +433,9 @@ class HfEngine:
         size = self.info.block_size
         return [kv[:, :, :, i * size : (i + 1) * size].clone() for i in range(first, end)]
 
-    def _prefill_compute(self, seq: _Sequence) -> tuple[int, torch.Tensor, list[torch.Tensor], float]:
+    def _prefill_compute(
+        self, seq: _Sequence
+    ) -> tuple[int, TokenLogprob | None, torch.Tensor, list[torch.Tensor], float]:
         request = seq.request
         started = timed(self.lm.device)
         prefix = None
@@ -416,13 +443,16 @@ class HfEngine:
             prefix = torch.cat(seq.prefix_blocks, dim=3)[:, :, :, : seq.cached_tokens]
         logits, kv = self.lm.prefill(request.prompt_tokens, prefix)
         first = sample(logits, request.temperature, seq.seed + len(request.prompt_tokens))
+        logprob = None
+        if request.logprobs is not None:
+            [logprob] = token_logprobs(logits[None], [first], [request.logprobs], self.lm.tokenizer)
         blocks = self._split_blocks(kv, len(seq.prefix_blocks), len(request.block_hashes))
-        return first, kv, blocks, timed(self.lm.device) - started
+        return first, logprob, kv, blocks, timed(self.lm.device) - started
 
     async def _prefill_one(self, seq: _Sequence) -> None:
         future = seq.first_token
         try:
-            first, kv, blocks, seconds = await self._compute(self._prefill_compute, seq)
+            first, logprob, kv, blocks, seconds = await self._compute(self._prefill_compute, seq)
         except Exception as exc:
             if future is not None and not future.done():
                 future.set_exception(EngineError(f"prefill failed: {exc}", code="capacity"))
@@ -438,6 +468,7 @@ class HfEngine:
         self.stats.prefill_tokens_computed += prompt_tokens - seq.cached_tokens
         self.stats.prefill_tokens_cached += seq.cached_tokens
         if future is not None and not future.done():
+            seq.first_logprob = logprob
             future.set_result(first)
 
     def _store_blocks(self, seq: _Sequence, first: int, blocks: list[torch.Tensor]) -> None:
@@ -447,7 +478,7 @@ class HfEngine:
         hashes = seq.request.block_hashes[first:]
         self.blocks.store(list(zip(hashes, blocks, strict=True)))
 
-    def _decode_compute(self, batch: list[_Sequence]) -> tuple[list[int], float]:
+    def _decode_compute(self, batch: list[_Sequence]) -> tuple[list[int], list[TokenLogprob | None], float]:
         started = timed(self.lm.device)
         logits = self._batch.step(batch)
         if all(seq.request.temperature <= 0 for seq in batch):
@@ -458,12 +489,24 @@ class HfEngine:
                 sample(logits[i], seq.request.temperature, seq.seed + seq.length)
                 for i, seq in enumerate(batch)
             ]
-        return tokens, timed(self.lm.device) - started
+        logprobs: list[TokenLogprob | None] = [None] * len(batch)
+        wanting = [i for i, seq in enumerate(batch) if seq.request.logprobs is not None]
+        if wanting:  # only the rows that asked: the others cost nothing
+            rows = logits if len(wanting) == len(batch) else logits[wanting]
+            computed = token_logprobs(
+                rows,
+                [tokens[i] for i in wanting],
+                [batch[i].request.logprobs or 0 for i in wanting],
+                self.lm.tokenizer,
+            )
+            for i, entry in zip(wanting, computed, strict=True):
+                logprobs[i] = entry
+        return tokens, logprobs, timed(self.lm.device) - started
 
     async def _decode_step(self) -> None:
         batch = list(self._decoding.values())[: self.max_running]
         try:
-            tokens, seconds = await self._compute(self._decode_compute, batch)
+            tokens, logprobs, seconds = await self._compute(self._decode_compute, batch)
         except Exception as exc:
             log.exception("hf engine decode step failed")
             error = EngineError(f"decode step failed: {exc}", code="capacity")
@@ -477,18 +520,19 @@ class HfEngine:
         self.stats.decode_tokens += len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
         share = seconds / len(batch)
-        for seq, token in zip(batch, tokens, strict=True):
+        for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
             if seq.request.request_id not in self._decoding:
                 continue  # released mid-step (cancelled)
             seq.decode_gpu_s += share
             seq.generated += 1
             seq.last_token = token
+            entries = None if logprob is None else [logprob]
             if token in self.lm.eos_token_ids:
-                step = DecodeStep([], "stop")
+                step = DecodeStep([], "stop")  # the EOS is not streamed: no log-prob either
             elif seq.generated >= seq.request.max_tokens:
-                step = DecodeStep([token], "length")
+                step = DecodeStep([token], "length", entries)
             else:
-                step = DecodeStep([token], None)
+                step = DecodeStep([token], None, entries)
             seq.steps.put_nowait(step)
             if step.finish_reason is not None:
                 seq.retired = True

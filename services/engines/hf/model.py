@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from schemas.events import TokenAlternative, TokenLogprob
 from services.engines.base import EngineError
 from services.engines.tokenizer import SimpleTokenizer, tokenizer_for
 
@@ -342,6 +343,34 @@ def sample(logits: torch.Tensor, temperature: float, seed: int) -> int:
     probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
     generator = torch.Generator().manual_seed(seed)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], ks: list[int], tokenizer: Tokenizer
+) -> list[TokenLogprob]:
+    """Row i's sampled token `tokens[i]` with its log-probability and the `ks[i]` likeliest
+    alternatives (descending), from the raw logits [rows, vocab]: log_softmax before any
+    temperature, as vLLM reports by default. One log_softmax and one top-k for all rows."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(ks, default=0), logp.shape[-1])
+    top_values: list[list[float]] = [[] for _ in tokens]
+    top_ids: list[list[int]] = [[] for _ in tokens]
+    if k > 0:
+        values, indices = torch.topk(logp, k, dim=-1, sorted=True)
+        top_values, top_ids = values.tolist(), indices.tolist()
+    out = []
+    for row, token in enumerate(tokens):
+        n = ks[row]
+        top = [
+            TokenAlternative(token_id=int(i), token=tokenizer.decode([int(i)]), logprob=float(v))
+            for i, v in zip(top_ids[row][:n], top_values[row][:n], strict=True)
+        ]
+        out.append(
+            TokenLogprob(token_id=token, token=tokenizer.decode([token]), logprob=float(chosen[row]), top=top)
+        )
+    return out
 
 
 def synchronize(device: torch.device) -> None:

@@ -18,13 +18,16 @@ A full prompt block is published as "stored" when the step that computes its las
 (or when imported KV arrives), not when it is allocated. Generated tokens are a deterministic
 function of the prompt and position (greedy) or of the request too (temperature > 0), so an
 imported KV decodes to the same tokens as aggregated serving, and a preempted sequence resumes
-its stream seamlessly.
+its stream seamlessly. A constrained request (a tool call, JSON) writes synthetic.py's output for
+its seed instead, token by token, and stops after its last token; log-probabilities, for requests
+that ask, are those of a model drawing uniformly from its words (a forced token's is 0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Literal
 
-from schemas.events import InferenceRequest, KvHandle
+from schemas.events import InferenceRequest, KvHandle, TokenAlternative, TokenLogprob
 from services.engines.base import (
     Clock,
     DecodeStep,
@@ -47,6 +50,7 @@ from services.engines.base import (
 from services.engines.sim.blocks import BlockManager
 from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S, PerfModel
 from services.engines.sim.profiles import gpu, model_shape
+from services.engines.sim.synthetic import synthetic_output
 from services.engines.tokenizer import SimpleTokenizer
 
 # Finished requests' GPU time kept for `gpu_seconds` (prefill workers never ask for it).
@@ -76,16 +80,19 @@ class _Stream:
     an asyncio.Queue (one put per token per sequence is the engine's hottest path). A consumer
     that fell behind gets every token waiting in one step."""
 
-    __slots__ = ("error", "finish", "tokens", "waiter")
+    __slots__ = ("error", "finish", "logprobs", "tokens", "waiter")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token, for requests that ask
         self.finish: str | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.error: EngineError | None = None
 
-    def put(self, token: int, finish: str | None) -> None:
+    def put(self, token: int, finish: str | None, logprob: TokenLogprob | None = None) -> None:
         self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self.finish = finish
         waiter = self.waiter
         if waiter is not None and not waiter.done():
@@ -105,6 +112,8 @@ class _Sequence:
     prompt_len: int
     # A resumed request's output so far (the tail of its prompt): its tokens continue from there.
     output_offset: int = 0
+    # The whole output of a constrained request (a tool call, JSON), token by token.
+    forced: list[int] | None = None
     state: State = "waiting"
     computed: int = 0  # tokens whose KV is computed
     generated: int = 0  # output tokens sampled so far (the first one included)
@@ -135,6 +144,11 @@ class _Sequence:
     @property
     def is_decode(self) -> bool:
         return self.decoding and self.remaining == 1
+
+    @property
+    def output_complete(self) -> bool:
+        """A constrained output whose last token has been sampled: the model stops there."""
+        return self.forced is not None and self.output_offset + self.generated >= len(self.forced)
 
 
 @dataclass
@@ -194,6 +208,8 @@ class SimEngine:
             block_size,
             self.blocks.total_blocks,
             time_scale=self.clock.time_scale if isinstance(self.clock, RealClock) else 1.0,
+            # Synthetic, but the shape real engines give: see _token and synthetic.py.
+            features=frozenset({"logprobs", "tool_call", "json"}),
         )
         self.tokenizer = _tokenizer()
         self._words = self.tokenizer.word_ids
@@ -259,12 +275,15 @@ class SimEngine:
         digest.update(array("q", prompt).tobytes())
         if request.temperature > 0:
             digest.update(request.request_id.encode())
+        seed = int.from_bytes(digest.digest(), "little")
         seq = _Sequence(
             request=request,
-            seed=int.from_bytes(digest.digest(), "little"),
+            seed=seed,
             prompt_len=len(request.prompt_tokens),
             output_offset=offset,
         )
+        if request.constraint is not None:
+            seq.forced = self.tokenizer.encode(synthetic_output(request.constraint, seed))
         self._resident[request.request_id] = seq
         return seq
 
@@ -282,6 +301,7 @@ class SimEngine:
         num_tokens = len(request.prompt_tokens)
         return PrefillResult(
             first_token_id=first,
+            first_logprob=self._logprob(seq, seq.output_offset, first),
             cached_tokens=seq.cached_tokens,
             gpu_seconds=seq.prefill_gpu_s,
             kv=KvHandle(
@@ -335,6 +355,9 @@ class SimEngine:
             raise EngineError(f"request {request_id} has no prefilled KV on this engine")
         seq.generated = max(seq.generated, 1)  # the first token came from prefill
         try:
+            if seq.output_complete:
+                yield DecodeStep([], "stop")
+                return
             if seq.generated >= seq.request.max_tokens:
                 yield DecodeStep([], "length")
                 return
@@ -351,8 +374,9 @@ class SimEngine:
                     stream.waiter = loop.create_future()
                     await stream.waiter
                 tokens, stream.tokens = stream.tokens, []
+                logprobs, stream.logprobs = stream.logprobs, []
                 finish = stream.finish
-                yield DecodeStep(tokens, finish)
+                yield DecodeStep(tokens, finish, logprobs if seq.request.logprobs is not None else None)
                 if finish is not None:
                     return
         finally:
@@ -533,7 +557,12 @@ class SimEngine:
                 self.blocks.mark_computed(seq.request.request_id, computed)
             if computed < seq.prompt_len + seq.generated:
                 continue  # a prefill chunk short of the prompt's end
-            token = self._token(seq.seed, seq.output_offset + seq.generated)
+            position = seq.output_offset + seq.generated
+            forced = seq.forced
+            if forced is not None and position < len(forced):
+                token = forced[position]
+            else:
+                token = self._token(seq.seed, position)
             seq.generated += 1
             emitted += 1
             if not seq.decoding:
@@ -543,18 +572,48 @@ class SimEngine:
                 if first_token is not None and not first_token.done():
                     first_token.set_result(token)
                 continue
-            if seq.generated >= seq.request.max_tokens:
+            logprob = self._logprob(seq, position, token) if seq.request.logprobs is not None else None
+            finish = (
+                "stop"
+                if seq.output_complete
+                else "length"
+                if seq.generated >= seq.request.max_tokens
+                else None
+            )
+            if finish is not None:
                 seq.state = "done"
                 any_done = True
-                seq.steps.put(token, "length")
-            else:
-                seq.steps.put(token, None)
+            seq.steps.put(token, finish, logprob)
         if any_done:
             self._running = [s for s in self._running if s.state == "running"]
         stats.generated_tokens += emitted
         if step_time > 0:
             self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * emitted / step_time
 
+    def _word_index(self, seed: int, position: int) -> int:
+        return _mix64(seed ^ (position * 0x9E3779B97F4A7C15 & _MASK64)) % len(self._words)
+
     def _token(self, seed: int, position: int) -> int:
         """The output token at `position` (0: the first) of a sequence with this seed."""
-        return self._words[_mix64(seed ^ (position * 0x9E3779B97F4A7C15 & _MASK64)) % len(self._words)]
+        return self._words[self._word_index(seed, position)]
+
+    def _logprob(self, seq: _Sequence, position: int, token: int) -> TokenLogprob | None:
+        """The sampled token's log-probability, with the request's k alternatives, the sampled
+        one first. The sim model draws a free token uniformly from its words; a forced token (a
+        constrained output) is certain, its alternatives ruled out (-9999, as vLLM reports a
+        masked token)."""
+        k = seq.request.logprobs
+        if k is None:
+            return None
+        decode = self.tokenizer.decode
+        if seq.forced is not None:
+            chosen = 0.0
+            others = [w for w in self._words[:k] if w != token][: max(0, k - 1)]
+            other_logprob = -9999.0
+        else:
+            chosen = other_logprob = -math.log(len(self._words))
+            index = self._word_index(seq.seed, position)
+            others = [self._words[(index + 1 + j) % len(self._words)] for j in range(max(0, k - 1))]
+        top = [TokenAlternative(token_id=token, token=decode([token]), logprob=chosen)] if k else []
+        top += [TokenAlternative(token_id=w, token=decode([w]), logprob=other_logprob) for w in others]
+        return TokenLogprob(token_id=token, token=decode([token]), logprob=chosen, top=top)
