@@ -163,27 +163,29 @@ def mesh(
     running.stop()
 
 
+def _poll(predicate, timeout_s: float, deadline: float):  # type: ignore[no-untyped-def]
+    """The predicate's value when it holds, None while it may yet; past the deadline, a failure."""
+    value = predicate()
+    if value:
+        return value
+    if time.monotonic() > deadline:
+        raise AssertionError(f"condition not met within {timeout_s}s")
+    return None
+
+
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.1):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
+    while (value := _poll(predicate, timeout_s, deadline)) is None:
         time.sleep(interval_s)
+    return value
 
 
 async def async_wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
     """wait_until for a test on the event loop: the loop runs while it waits."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
+    while (value := _poll(predicate, timeout_s, deadline)) is None:
         await asyncio.sleep(interval_s)
+    return value
 
 
 def openai_client(mesh: Mesh) -> OpenAI:

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import jsonschema
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +21,7 @@ from services.engines.base import EngineError, VirtualClock
 from services.engines.sim.engine import SimEngine
 from services.engines.sim.synthetic import synthetic_json, synthetic_output
 from services.ingress.tool_calls import parse_tool_calls
-from services.mesh.block_hash import chain_block_hashes
+from tests.engines.test_sim import BLOCK, MODEL, request
 
 # Schemas as clients write them: OpenAI's function-calling examples, an SWE-agent style editor
 # tool, a structured-output schema with $defs/anyOf, and strict-mode objects.
@@ -167,8 +168,6 @@ def test_a_synthetic_tool_call_names_one_of_the_tools_and_parses_back() -> None:
 
 # ------------------------------------------------------------------ the engine writing them
 
-MODEL = "sim-test"
-BLOCK = 16
 PROMPT = [300 + (i * 104729) % 400 for i in range(40)]
 WEATHER = OutputConstraint(
     kind="tool_call", tools=[ToolFunction(name="get_weather", parameters=SCHEMAS["weather"])]
@@ -183,19 +182,8 @@ def constrained(
     prompt: list[int] = PROMPT,
     resumption: Resumption | None = None,
 ) -> InferenceRequest:
-    return InferenceRequest(
-        request_id=rid,
-        tenant="acme",
-        model=MODEL,
-        api="nats",
-        prompt_tokens=prompt,
-        block_size=BLOCK,
-        block_hashes=chain_block_hashes(prompt, BLOCK, model=MODEL),
-        max_tokens=max_tokens,
-        submitted_at=0.0,
-        constraint=constraint,
-        logprobs=logprobs,
-        resumption=resumption,
+    return msgspec.structs.replace(
+        request(rid, prompt, max_tokens), constraint=constraint, logprobs=logprobs, resumption=resumption
     )
 
 
