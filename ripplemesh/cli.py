@@ -16,6 +16,7 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
+from ripplemesh.supervision import RestartPolicy
 from services.mesh.config import ConfigError, config_path, default_data_dir, load_config
 
 console = Console(stderr=True)
@@ -167,6 +168,13 @@ def run(
 @click.option("--model-path", default=None, help="hf/vllm: a local Hugging Face model directory.")
 @click.option("--time-scale", type=float, default=1.0, show_default=True)
 @click.option("--database-url", default=None)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=RestartPolicy().max_restarts,
+    show_default=True,
+    help="Restarts of a service within 5 minutes before it counts as a crash loop and is left stopped.",
+)
 def up(
     engine: str,
     prefill: int,
@@ -183,8 +191,10 @@ def up(
     model_path: str | None,
     time_scale: float,
     database_url: str | None,
+    max_restarts: int,
 ) -> None:
-    """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all."""
+    """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all. A
+    service that exits on its own is restarted (`ripplemesh status` shows the restarts)."""
     from ripplemesh.launcher import Mesh
     from services.mesh.nats_auth import CredentialsError, auth_for_config, load_credentials
 
@@ -217,6 +227,7 @@ def up(
         auth=auth,
         service_credentials=service_credentials,
         nats_replicas=nats_replicas,
+        restart_policy=RestartPolicy(max_restarts=max_restarts),
     )
     stop_requested = False
 
@@ -253,18 +264,44 @@ def up(
     console.print(table)
     print(f"READY http://127.0.0.1:{http_port}/v1 {mesh.url}", flush=True)
     try:
+        # A service that exits on its own is restarted (and given up on if it crash-loops); only
+        # a signal to `up` stops the mesh.
         while not stop_requested:
-            for child in mesh.children:
-                if child.process is not None and child.process.poll() is not None:
-                    console.print(
-                        f"[red]{child.name} exited ({child.process.returncode}); see {child.log_path}"
-                    )
-                    stop_requested = True
+            for line in mesh.tend():
+                console.print(f"[yellow]{line}")
             time.sleep(0.2)
     finally:
         console.print("stopping ...")
         mesh.stop()
         console.print("stopped")
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None)
+def status(data_dir: Path | None) -> None:
+    """Where each service of a running `ripplemesh up` stands: its state, restarts and how long
+    each took to come back."""
+    import json
+
+    path = (data_dir or default_data_dir()) / "supervisor.json"
+    try:
+        children = json.loads(path.read_text())["children"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise click.ClickException(f"no status in {path} (is `ripplemesh up` running there?): {exc}") from exc
+    table = Table(show_header=True)
+    for column in ("service", "state", "pid", "restarts", "last exit", "back after (s)"):
+        table.add_column(column)
+    for name, child in children.items():
+        colour = {"running": "green", "gave_up": "red"}.get(child["state"], "yellow")
+        table.add_row(
+            name,
+            f"[{colour}]{child['state']}",
+            str(child["pid"]),
+            str(child["restarts"]),
+            "" if child["last_exit_code"] is None else str(child["last_exit_code"]),
+            ", ".join(f"{s:.1f}" for s in child["recoveries_s"]),
+        )
+    Console().print(table)
 
 
 @main.command()

@@ -1,7 +1,11 @@
 """`ripplemesh up`: embedded NATS plus every service as its own child process.
 
 Used by the command, by the tests and by the benchmarks, so all three run the same mesh.
-Children are told by Linux to exit if this process dies, so nothing is ever left behind.
+Children are told by Linux to exit if this process dies, so nothing is ever left behind. A
+child that exits on its own is restarted, with the same arguments (its worker id, its durable
+consumers, its port), by `tend`, which `up` calls a few times a second (supervision.py decides
+when, and when to give up on a crash loop); the rest keep running. `<data_dir>/supervisor.json`
+says where each child stands (`ripplemesh status`).
 
 The embedded NATS is one server or a cluster of `nats_cluster` nodes (streams then get that
 many replicas, up to 3), with the mesh's users: the services' and one per tenant (see
@@ -12,6 +16,7 @@ each child reads the services' file (`--nats-credentials`), so no secret is on a
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,16 +25,20 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
+from ripplemesh.supervision import ChildHistory, GiveUp, RestartPolicy, on_exit
 from services.mesh.bus import nats_servers
 from services.mesh.config import load_config
 from services.mesh.embedded_nats import EmbeddedNats, free_port
 from services.mesh.nats_auth import NatsAuth, NatsCredentials, auth_for_config, save_credentials
 
 SERVICES_IN_ORDER = ("ledger", "autoscaler", "router", "admission", "ingress")
+
+
+ChildState = Literal["running", "starting", "restarting", "gave_up"]
 
 
 @dataclass
@@ -39,6 +48,15 @@ class Child:
     http_port: int
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    # Supervision (monotonic times).
+    state: ChildState = "running"
+    started_at: float = 0.0
+    exited_at: float | None = None
+    restart_at: float = 0.0
+    last_returncode: int | None = None
+    restarts: int = 0
+    recoveries_s: list[float] = field(default_factory=list)  # from each exit to healthy again
+    history: ChildHistory = field(default_factory=ChildHistory)
 
     @property
     def url(self) -> str:
@@ -79,6 +97,8 @@ class Mesh:
     children: list[Child] = field(default_factory=list)
     nats: EmbeddedNats | None = None
     credential_files: dict[str, Path] = field(default_factory=dict)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    stopping: bool = False
 
     def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
         port = http_port or free_port()
@@ -168,22 +188,13 @@ class Mesh:
     def start(self, ready_timeout_s: float = 60.0) -> Mesh:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
-        env = {**os.environ, **self.env}
         try:
             self._prepare_nats()
             self.children = self.plan()
             for child in self.children:
-                log = child.log_path.open("ab")
-                child.process = subprocess.Popen(
-                    child.args,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    env=env,
-                    preexec_fn=_die_with_parent,
-                )
-                log.close()
+                self._spawn(child)
             self.wait_ready(ready_timeout_s)
+            self._write_status()
         except BaseException:
             self.stop()
             raise
@@ -204,6 +215,78 @@ class Mesh:
                 raise TimeoutError(f"{child.name} not healthy within {timeout_s}s; see {child.log_path}")
             time.sleep(0.1)
 
+    def _spawn(self, child: Child) -> None:
+        with child.log_path.open("ab") as log:
+            child.process = subprocess.Popen(
+                child.args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env={**os.environ, **self.env},
+                preexec_fn=_die_with_parent,
+            )
+        child.started_at = time.monotonic()
+
+    def tend(self, now: float | None = None) -> list[str]:
+        """Restart what exited on its own, when the restart policy says; report what happened
+        (lines for the console). Nothing while the mesh is stopping."""
+        if self.stopping:
+            return []
+        now = time.monotonic() if now is None else now
+        said: list[str] = []
+        for child in self.children:
+            process = child.process
+            if child.state in ("running", "starting") and process is not None and process.poll() is not None:
+                child.exited_at = child.exited_at if child.state == "starting" else now
+                child.last_returncode = process.returncode
+                decision = on_exit(self.restart_policy, child.history, now, now - child.started_at)
+                if isinstance(decision, GiveUp):
+                    child.state = "gave_up"
+                    said.append(
+                        f"{child.name} exited ({process.returncode}); given up on: {decision.reason}. "
+                        f"The rest keep running; see {child.log_path}"
+                    )
+                else:
+                    child.state = "restarting"
+                    child.restart_at = decision.at
+                    said.append(
+                        f"{child.name} exited ({process.returncode}); restarting in "
+                        f"{decision.at - now:.1f} s; see {child.log_path}"
+                    )
+            elif child.state == "restarting" and now >= child.restart_at:
+                self._spawn(child)
+                child.state = "starting"
+                child.restarts += 1
+            elif child.state == "starting" and _healthy(child.url):
+                child.state = "running"
+                if child.exited_at is not None:
+                    child.recoveries_s.append(round(time.monotonic() - child.exited_at, 3))
+                    said.append(f"{child.name} is back, {child.recoveries_s[-1]:.1f} s after it exited")
+                child.exited_at = None
+        if said:
+            self._write_status()
+        return said
+
+    def status(self) -> dict[str, Any]:
+        return {
+            child.name: {
+                "state": child.state,
+                "pid": child.process.pid if child.process is not None else None,
+                "restarts": child.restarts,
+                "last_exit_code": child.last_returncode,
+                "recoveries_s": child.recoveries_s,
+                "url": child.url,
+                "log": str(child.log_path),
+            }
+            for child in self.children
+        }
+
+    def _write_status(self) -> None:
+        path = self.data_dir / "supervisor.json"
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps({"pid": os.getpid(), "children": self.status()}, indent=1))
+        temporary.replace(path)
+
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
@@ -221,16 +304,7 @@ class Mesh:
     def restart_child(self, name: str, ready_timeout_s: float = 30.0) -> None:
         child = self.child(name)
         self.stop_child(name)
-        log = child.log_path.open("ab")
-        child.process = subprocess.Popen(
-            child.args,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env={**os.environ, **self.env},
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
+        self._spawn(child)
         deadline = time.monotonic() + ready_timeout_s
         while not _healthy(child.url):
             if time.monotonic() > deadline:
@@ -239,6 +313,7 @@ class Mesh:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every service (front door first), wait, then kill stragglers; then NATS."""
+        self.stopping = True
         for child in reversed(self.children):
             if child.process is not None and child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)

@@ -8,7 +8,16 @@ import asyncio
 import msgspec
 import pytest
 
-from schemas.events import InferenceRequest, Resumption, StreamFailed, StreamFinished, TokenChunk, Usage
+from schemas.events import (
+    InferenceRequest,
+    OutputConstraint,
+    Resumption,
+    StreamFailed,
+    StreamFinished,
+    TokenChunk,
+    ToolFunction,
+    Usage,
+)
 from services.engines.base import RealClock
 from services.engines.sim.engine import SimEngine
 from services.mesh.block_hash import chain_block_hashes
@@ -96,6 +105,26 @@ def test_plan_resumes_with_the_prompt_and_delivered_tokens() -> None:
     assert again.request.resumption == Resumption(migration=2, next_seq=3, output_tokens=4)
 
 
+def test_plan_refuses_to_continue_what_another_worker_cannot_continue_faithfully() -> None:
+    """A constrained output part-way written (its grammar's state does not travel), or an output
+    past max_migrated_output_tokens, fails with a clear error rather than a different output."""
+    tool_call = OutputConstraint(kind="tool_call", tools=[ToolFunction(name="get_weather")])
+    forced = request(constraint=tool_call)
+    got = delivered(forced, [chunk(0, 7), chunk(1, 8)])
+    refused = plan(forced, got, max_migrations=3, from_worker="decode-0", reason="was lost")
+    assert isinstance(refused, GiveUp) and refused.seq == 2
+    assert "a tool_call output 2 tokens in" in refused.message and "send the request again" in refused.message
+    # Nothing delivered yet: placed again from the start, which is faithful.
+    assert isinstance(
+        plan(forced, delivered(forced, []), max_migrations=3, from_worker="d", reason="x"), Resume
+    )
+    long = plan(request(), got, max_migrations=3, from_worker="d", reason="x", max_output_tokens=1)
+    assert isinstance(long, GiveUp) and "max_migrated_output_tokens (1)" in long.message
+    assert isinstance(
+        plan(request(), got, max_migrations=3, from_worker="d", reason="x", max_output_tokens=2), Resume
+    )
+
+
 def test_plan_gives_up_past_the_limit_and_finishes_or_drops_what_is_done() -> None:
     got = delivered(request(), [chunk(0, 7)])
     give_up = plan(request(), got, max_migrations=0, from_worker="decode-0", reason="was lost")
@@ -156,6 +185,27 @@ def test_liveness_a_deleted_entry_is_gone_drained_if_it_said_so() -> None:
     for worker_id in ("w1", "w2"):
         life.scanned(worker_id, 100.5)
     assert life.verdicts(161.0).scan == [] and life.gone == {}  # forgotten after a minute
+
+
+def test_liveness_a_worker_back_under_its_id_before_it_was_missed_has_its_predecessors_work_taken() -> None:
+    """Killed and restarted within a heartbeat or two, a worker never looks lost; its new
+    `started_at` says the predecessor is gone, and the work sent before it is taken over."""
+    life = Liveness()
+    life.heartbeat("w1", heartbeat_at=100.0, revision=1, draining=False, started_at=50.0)
+    life.heartbeat("w1", heartbeat_at=101.0, revision=2, draining=False, started_at=50.0)
+    assert life.verdicts(101.0).predecessors == []  # the same incarnation
+    life.heartbeat("w1", heartbeat_at=101.6, revision=3, draining=False, started_at=101.5)
+    verdicts = life.verdicts(101.6)
+    assert verdicts.predecessors == [("w1", 101.5)] and verdicts.lost == [] and life.is_alive("w1", 101.6)
+    life.predecessor_scanned("w1", 101.6)
+    assert life.verdicts(102.0).predecessors == []
+    assert life.verdicts(102.6).predecessors == [("w1", 101.5)]  # again every second, a while
+    life.predecessor_scanned("w1", 102.6)
+    assert life.verdicts(117.0).predecessors == [] and life.restarted == {}
+    # A worker first heard of with some start, or an older heartbeat replayed, is no restart.
+    life.heartbeat("w2", heartbeat_at=101.0, revision=4, draining=False, started_at=90.0)
+    life.heartbeat("w1", heartbeat_at=100.5, revision=1, draining=False, started_at=50.0)
+    assert life.restarted == {}
 
 
 async def test_sim_engine_resumes_a_migrated_request_with_the_same_tokens() -> None:

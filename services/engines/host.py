@@ -3,6 +3,10 @@
 Heartbeats (the worker's `WorkerState` in the WORKERS KV bucket), running a prefill or a decode
 inside GenAI-convention spans, streaming token chunks with their sequence numbers, and reporting
 GPU time in lifecycle events for the ledger.
+
+A worker restarted under its id (its predecessor killed, so never deregistered) leaves the
+predecessor's unfinished work to the routers before it takes any: see
+`_wait_for_predecessors_work_to_leave`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge
 
@@ -39,11 +44,13 @@ from schemas.events import (
     encode_event,
 )
 from schemas.subjects import (
+    WORK,
     WORKERS,
     event_subject,
     kv_dump_subject,
     kv_subject,
     tokens_subject,
+    work_subject,
 )
 from services.engines.base import Engine, EngineError, PrefillResult
 from services.engines.lifecycle import WorkerLifecycle
@@ -55,12 +62,19 @@ from services.mesh.tracing import REQUEST_ID, LateSpan, tracer
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+# How long a restarted worker waits for the routers to take its predecessor's work over (they
+# act within a second of the hand-back; none running, it then serves what is left itself).
+HAND_BACK_TIMEOUT_S = 10.0
 KV_EVENTS_EVERY_S = 0.05
 
 TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["worker"])
 GPU_SECONDS = Counter("ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"])
 KV_USED = Gauge("ripplemesh_worker_kv_blocks_used", "KV blocks in use.", ["worker"])
 RUNNING = Gauge("ripplemesh_worker_running", "Sequences decoding.", ["worker"])
+
+
+class _Sent(msgspec.Struct):
+    occurred_at: float = 0.0
 
 
 class EngineHost:
@@ -105,6 +119,7 @@ class EngineHost:
         self.runtime.spawn(
             self.runtime.every(self.kv_events_every_s, self.publish_kv_events, "kv-events"), "kv-events"
         )
+        await self._wait_for_predecessors_work_to_leave()
         log.info("engine ready", extra={"engine": info.engine, "model": info.model, "gpu": info.gpu_type})
 
     async def stop(self) -> None:
@@ -117,6 +132,42 @@ class EngineHost:
             await kv.delete(self.worker_id)
         await self.engine.stop()
         await self.lifecycle.close()
+
+    async def _wait_for_predecessors_work_to_leave(self) -> None:
+        """Work sent to this worker id before this process started is a predecessor's that did
+        not stop (killed, crashed). The routers take it over, seeing the predecessor lost or
+        this worker's new `started_at` (services/router/liveness.py), and migrate its requests
+        mid-stream from what their clients already received. Until it has left the worker's
+        subjects the worker does not consume, so no request is started over here and streamed
+        twice; bounded (with no router running, it then serves what is left itself)."""
+        if not await self._predecessors_work_left():
+            return
+        log.warning("a predecessor's work is left; it goes to the routers", extra={"worker": self.worker_id})
+        deadline = time.monotonic() + HAND_BACK_TIMEOUT_S
+        while await self._predecessors_work_left():
+            if time.monotonic() > deadline:
+                log.warning(
+                    "the routers did not take the predecessor's work within the timeout; serving it here",
+                    extra={"worker": self.worker_id, "timeout_s": HAND_BACK_TIMEOUT_S},
+                )
+                return
+            await asyncio.sleep(0.1)
+
+    async def _predecessors_work_left(self) -> bool:
+        for phase in ("prefill", "decode"):
+            try:
+                raw = await self.runtime.bus.js.get_msg(
+                    WORK.name, seq=1, subject=work_subject(phase, self.worker_id), next=True
+                )
+            except NotFoundError:
+                continue
+            try:
+                sent = msgspec.json.decode(raw.data or b"", type=_Sent).occurred_at
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                sent = 0.0
+            if sent < self.started_at:
+                return True
+        return False
 
     def health(self) -> dict[str, Any]:
         """What /healthz shows of a worker: its engine's load, now (not as of the heartbeat)."""

@@ -127,6 +127,9 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A request whose worker dies or is drained mid-stream is placed again (migrated), its
     # stream resuming where it stopped, at most this many times; past it the stream fails.
     max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3
+    # ... and only while its client has received at most this many tokens (None: any number):
+    # past it, replaying them all as a prompt elsewhere costs more than the client's retry.
+    max_migrated_output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def tenant_for_api_key(self, api_key: str) -> str | None:
         digest = hashlib.sha256(api_key.encode()).hexdigest()

@@ -7,6 +7,11 @@ responders" means its connection is gone, so it is lost at once); one older than
 deleted (it stopped, it was drained, or another router declared it lost), is *gone*: its work
 still on the WORK stream is taken over at once, and again every `rescan_every_s` for
 `rescan_for_s` (a prefill worker may hand a decode to it after it went).
+
+A worker restarted under its id (killed, and back before anyone declared it lost) heart-beats
+with a new `started_at`: its predecessor is gone though the id is alive, and the work sent
+before that start (`predecessors`: the worker and the cut-off) is taken over the same way,
+for `predecessor_scan_for_s`, while the new incarnation waits for it to leave its subjects.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ SUSPECT_AFTER_S = 2.0
 PROBE_EVERY_S = 0.5
 RESCAN_EVERY_S = 1.0
 RESCAN_FOR_S = 60.0
+PREDECESSOR_SCAN_FOR_S = 15.0
 
 GoneReason = Literal["worker_lost", "worker_drained"]
 
@@ -30,6 +36,14 @@ class _Alive:
     revision: int
     draining: bool
     probed_at: float | None = None
+    started_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Predecessor:
+    cutoff: float  # the new incarnation's start: work sent before it was the predecessor's
+    since: float
+    scanned_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -47,6 +61,7 @@ class Verdicts:
     probe: list[str]
     lost: list[tuple[str, int]]
     scan: list[tuple[str, GoneReason]]
+    predecessors: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -56,11 +71,21 @@ class Liveness:
     probe_every_s: float = PROBE_EVERY_S
     rescan_every_s: float = RESCAN_EVERY_S
     rescan_for_s: float = RESCAN_FOR_S
+    predecessor_scan_for_s: float = PREDECESSOR_SCAN_FOR_S
     alive: dict[str, _Alive] = field(default_factory=dict)
     gone: dict[str, _Gone] = field(default_factory=dict)
+    restarted: dict[str, _Predecessor] = field(default_factory=dict)
 
-    def heartbeat(self, worker_id: str, heartbeat_at: float, revision: int, draining: bool) -> None:
-        """A heartbeat put in WORKERS. A fresh one brings a gone worker back (a restart)."""
+    def heartbeat(
+        self,
+        worker_id: str,
+        heartbeat_at: float,
+        revision: int,
+        draining: bool,
+        started_at: float | None = None,
+    ) -> None:
+        """A heartbeat put in WORKERS. A fresh one brings a gone worker back (a restart); one
+        with a later `started_at` than the worker's last says its predecessor is gone."""
         known = self.alive.get(worker_id)
         if known is not None and heartbeat_at < known.heartbeat_at:
             return
@@ -68,7 +93,14 @@ class Liveness:
         if gone is not None and heartbeat_at <= gone.since:
             return  # an older heartbeat, replayed by a new watch
         self.gone.pop(worker_id, None)
-        self.alive[worker_id] = _Alive(heartbeat_at, revision, draining)
+        if (
+            known is not None
+            and started_at is not None
+            and known.started_at is not None
+            and started_at > known.started_at
+        ):
+            self.restarted[worker_id] = _Predecessor(cutoff=started_at, since=heartbeat_at)
+        self.alive[worker_id] = _Alive(heartbeat_at, revision, draining, started_at=started_at)
 
     def removed(self, worker_id: str, now: float) -> None:
         """The worker's WORKERS entry was deleted: gone (drained if it said it was draining)."""
@@ -93,6 +125,11 @@ class Liveness:
         if gone is not None:
             gone.scanned_at = now
 
+    def predecessor_scanned(self, worker_id: str, now: float) -> None:
+        restarted = self.restarted.get(worker_id)
+        if restarted is not None:
+            restarted.scanned_at = now
+
     def is_alive(self, worker_id: str, now: float) -> bool:
         known = self.alive.get(worker_id)
         return known is not None and now - known.heartbeat_at <= self.liveness_s
@@ -115,7 +152,14 @@ class Liveness:
                 continue
             if gone.scanned_at is None or now - gone.scanned_at >= self.rescan_every_s:
                 scan.append((worker_id, gone.reason))
-        return Verdicts(probe=probe, lost=lost, scan=scan)
+        predecessors: list[tuple[str, float]] = []
+        for worker_id, restarted in list(self.restarted.items()):
+            if now - restarted.since > self.predecessor_scan_for_s and restarted.scanned_at is not None:
+                del self.restarted[worker_id]
+                continue
+            if restarted.scanned_at is None or now - restarted.scanned_at >= self.rescan_every_s:
+                predecessors.append((worker_id, restarted.cutoff))
+        return Verdicts(probe=probe, lost=lost, scan=scan, predecessors=predecessors)
 
     def next_due(self, now: float) -> float:
         """The earliest time something may be due (a heartbeat ageing past a threshold, a
@@ -128,7 +172,8 @@ class Liveness:
             for at in (suspect_at, known.heartbeat_at + self.liveness_s):
                 if at > now:
                     due = min(due, at)
-        for gone in self.gone.values():
-            at = now if gone.scanned_at is None else gone.scanned_at + self.rescan_every_s
+        scans = [g.scanned_at for g in self.gone.values()] + [r.scanned_at for r in self.restarted.values()]
+        for scanned_at in scans:
+            at = now if scanned_at is None else scanned_at + self.rescan_every_s
             due = min(due, max(at, now))
         return due

@@ -116,6 +116,19 @@ _work_decoder: msgspec.json.Decoder[WorkItem] = msgspec.json.Decoder(WorkItem)
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _cancel_decoder = msgspec.json.Decoder(RequestCancelled)
 
+
+class _Sent(msgspec.Struct):
+    occurred_at: float = 0.0
+
+
+def _sent_at(raw: jsapi.RawStreamMsg) -> float:
+    """When a work message was sent (0 for one that does not say: taken over, dead-lettered)."""
+    try:
+        return msgspec.json.decode(raw.data or b"", type=_Sent).occurred_at
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0.0
+
+
 _REASON_TEXT: dict[GoneReason, str] = {"worker_lost": "was lost", "worker_drained": "was drained"}
 
 
@@ -125,11 +138,13 @@ class Migrator:
         runtime: Runtime,
         *,
         max_migrations: int,
+        max_output_tokens: int | None = None,
         liveness: Liveness | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.runtime = runtime
         self.max_migrations = max_migrations
+        self.max_output_tokens = max_output_tokens
         self.liveness = liveness or Liveness()
         self.clock = clock
         self._wake = asyncio.Event()
@@ -172,7 +187,7 @@ class Migrator:
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue  # the router's own watch logs it
                 self.liveness.heartbeat(
-                    state.worker_id, state.occurred_at, entry.revision or 0, state.draining
+                    state.worker_id, state.occurred_at, entry.revision or 0, state.draining, state.started_at
                 )
             self._wake.set()
 
@@ -206,6 +221,11 @@ class Migrator:
                 self._scanning.add(worker_id)
                 self.liveness.scanned(worker_id, now)
                 self.runtime.spawn(self._scan(worker_id, reason), "take-over")
+        for worker_id, cutoff in verdicts.predecessors:
+            if worker_id not in self._scanning:
+                self._scanning.add(worker_id)
+                self.liveness.predecessor_scanned(worker_id, now)
+                self.runtime.spawn(self._scan(worker_id, "worker_lost", before=cutoff), "take-over")
 
     async def _probe(self, worker_id: str) -> None:
         known = self.liveness.alive.get(worker_id)
@@ -294,8 +314,9 @@ class Migrator:
             while len(self._cancelled) > CANCELS_KEPT:
                 self._cancelled.popitem(last=False)
 
-    async def _scan(self, worker_id: str, reason: GoneReason) -> None:
-        """Take over every message left on the gone worker's work subjects."""
+    async def _scan(self, worker_id: str, reason: GoneReason, before: float | None = None) -> None:
+        """Take over every message left on the gone worker's work subjects (those sent before
+        `before` only: a restarted worker's predecessor's)."""
         try:
             found: list[tuple[Literal["prefill", "decode"], jsapi.RawStreamMsg]] = []
             for phase in ("prefill", "decode"):
@@ -308,8 +329,10 @@ class Migrator:
                         )
                     except NotFoundError:
                         break
-                    found.append((phase, raw))
                     seq = (raw.seq or seq) + 1
+                    if before is not None and _sent_at(raw) >= before:
+                        break  # the new incarnation's work, and all after it on the subject
+                    found.append((phase, raw))
             if found:
                 log.info(
                     "taking over a gone worker's work",
@@ -371,6 +394,7 @@ class Migrator:
             request,
             got,
             max_migrations=self.max_migrations,
+            max_output_tokens=self.max_output_tokens,
             from_worker=worker_id,
             reason=_REASON_TEXT[reason],
         )

@@ -5,7 +5,9 @@ TOKENS stream holds them, as the client's reader does). The request is placed ag
 prompt followed by the tokens already delivered, `max_tokens` reduced by their number and its
 next chunk numbered where the client's stream stopped (`Resumption`), so the client sees one
 stream: no gap, no duplicate, the same length. Past the migration limit the stream fails with a
-clear error instead.
+clear error instead, and so does a stream that cannot be continued faithfully: a constrained
+output (a forced tool call, JSON) part-way written, as the grammar's state at the cut does not
+travel with the tokens, and one longer than `max_migrated_output_tokens` where that is set.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def plan(
     max_migrations: int,
     from_worker: str,
     reason: str,
+    max_output_tokens: int | None = None,
 ) -> Plan:
     """What to do with `request`, whose worker `from_worker` is gone (`reason`)."""
     if got.final:
@@ -114,11 +117,27 @@ def plan(
             seq=got.next_seq,
             usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(got.token_ids)),
         )
+    lost = f"worker {from_worker} {reason} while serving request {request.request_id}"
+    if request.constraint is not None and got.token_ids:
+        return GiveUp(
+            seq=got.next_seq,
+            migration=migration,
+            message=f"{lost}, a {request.constraint.kind} output {len(got.token_ids)} tokens in: a "
+            "constrained output cannot be continued on another worker (the grammar's state does "
+            "not travel with the tokens); send the request again",
+        )
+    if max_output_tokens is not None and len(got.token_ids) > max_output_tokens:
+        return GiveUp(
+            seq=got.next_seq,
+            migration=migration,
+            message=f"{lost}, {len(got.token_ids)} tokens in: past max_migrated_output_tokens "
+            f"({max_output_tokens}) the stream is not moved; send the request again",
+        )
     if migration > max_migrations:
         return GiveUp(
             seq=got.next_seq,
             migration=migration,
-            message=f"worker {from_worker} {reason} while serving request {request.request_id}, "
+            message=f"{lost}, "
             f"which was already moved {migration - 1} time(s): the limit is {max_migrations} "
             f"migration(s) per request; {len(got.token_ids)} of {total} tokens were delivered",
         )

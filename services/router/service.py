@@ -173,7 +173,11 @@ class RouterService:
         # second on a fleet of a thousand.
         LIVE_WORKERS.set_function(lambda: len(live_workers_any(self.state)))
         runtime.spawn(self._watch_workers(), "watch-workers")
-        self.migrator = Migrator(runtime, max_migrations=runtime.config.max_migrations)
+        self.migrator = Migrator(
+            runtime,
+            max_migrations=runtime.config.max_migrations,
+            max_output_tokens=runtime.config.max_migrated_output_tokens,
+        )
         await self.migrator.start()
         self.workflow_spend = WorkflowSpendView(runtime.bus)
         runtime.spawn(self.workflow_spend.run(), "workflow-spend")
