@@ -72,6 +72,12 @@ def main() -> None:
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None)
 @click.option("--http-port", type=int, default=0, help="Port for /metrics and /healthz (and the API).")
 @click.option("--http-host", default="127.0.0.1")
+@click.option(
+    "--shared-port",
+    type=int,
+    default=None,
+    help="Also serve on this port, shared with other processes (SO_REUSEPORT): ingress replicas.",
+)
 @click.option("--worker-id", default=None, help="Worker id (prefill/decode); stable across restarts.")
 @click.option("--engine", default="sim", type=click.Choice(ENGINE_CHOICES))
 @click.option("--gpu", default="H100", help="GPU type the sim engine models.")
@@ -89,6 +95,7 @@ def run(
     config_file: Path | None,
     http_port: int,
     http_host: str,
+    shared_port: int | None,
     worker_id: str | None,
     engine: str,
     gpu: str,
@@ -126,6 +133,7 @@ def run(
         config=config,
         http_host=http_host,
         http_port=http_port,
+        shared_port=shared_port,
         nats_credentials=credentials,
         nats_replicas=nats_replicas,
         extra=extra,
@@ -169,11 +177,21 @@ def run(
 @click.option("--time-scale", type=float, default=1.0, show_default=True)
 @click.option("--database-url", default=None)
 @click.option(
+    "--ingress",
+    "ingress_count",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Ingress processes sharing --http-port (SO_REUSEPORT): a client's retry after one dies "
+    "lands on another.",
+)
+@click.option(
     "--max-restarts",
     type=click.IntRange(min=0),
     default=RestartPolicy().max_restarts,
     show_default=True,
-    help="Restarts of a service within 5 minutes before it counts as a crash loop and is left stopped.",
+    help="Restarts in a row of a service that exits within 10 s of its start before it counts as a "
+    "crash loop and is left stopped.",
 )
 def up(
     engine: str,
@@ -191,6 +209,7 @@ def up(
     model_path: str | None,
     time_scale: float,
     database_url: str | None,
+    ingress_count: int,
     max_restarts: int,
 ) -> None:
     """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all. A
@@ -228,6 +247,7 @@ def up(
         service_credentials=service_credentials,
         nats_replicas=nats_replicas,
         restart_policy=RestartPolicy(max_restarts=max_restarts),
+        ingress=ingress_count,
     )
     stop_requested = False
 
@@ -552,6 +572,49 @@ def bench_migration(rounds: int, streams: int, tokens: int, decode: int, mode: s
         decode=decode,
         mode=mode,  # type: ignore[arg-type]
         console=Console(),
+    )
+
+
+@bench.command("chaos")
+@click.option("--duration", "duration_s", default=120.0, show_default=True, help="Seconds of load.")
+@click.option("--rate", default=20.0, show_default=True, help="Streaming requests per second.")
+@click.option("--kill-every", "kill_every_s", default=5.0, show_default=True, help="Seconds between kills.")
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--prefill", default=1, show_default=True)
+@click.option("--decode", default=2, show_default=True)
+@click.option("--ingress", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--nats-cluster", type=click.IntRange(1, 5), default=1, show_default=True)
+@click.option("--time-scale", type=float, default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def bench_chaos(
+    duration_s: float,
+    rate: float,
+    kill_every_s: float,
+    max_tokens: int,
+    prefill: int,
+    decode: int,
+    ingress: int,
+    nats_cluster: int,
+    time_scale: float,
+    seed: int,
+) -> None:
+    """The mesh as `up` runs it under streaming load while a service is killed (SIGKILL) every
+    few seconds, each kind in turn: requests completed and failed, tokens duplicated or missing,
+    the ledger against the requests, time to recover per kill."""
+    from ripplemesh.bench.chaos import run_chaos_bench
+
+    run_chaos_bench(
+        duration_s=duration_s,
+        rate=rate,
+        kill_every_s=kill_every_s,
+        max_tokens=max_tokens,
+        prefill=prefill,
+        decode=decode,
+        nats_cluster=nats_cluster,
+        time_scale=time_scale,
+        seed=seed,
+        console=Console(),
+        ingress=ingress,
     )
 
 

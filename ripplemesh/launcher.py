@@ -79,6 +79,9 @@ class Mesh:
     http_port: int = 8000
     prefill: int = 1
     decode: int = 1
+    # Ingress processes: one serves on http_port; several share it (SO_REUSEPORT), each with a
+    # port of its own for /healthz and /metrics, so a client's retry lands on a live one.
+    ingress: int = 1
     engine: str = "sim"
     gpu: str = "H100"
     time_scale: float = 1.0
@@ -180,6 +183,10 @@ class Mesh:
         for i in range(self.prefill):
             children.append(self._child(f"prefill-{i}", "prefill", "--worker-id", f"prefill-{i}", *engine))
         for name in SERVICES_IN_ORDER:
+            if name == "ingress" and self.ingress > 1:
+                for i in range(self.ingress):
+                    children.append(self._child(f"ingress-{i}", name, "--shared-port", str(self.http_port)))
+                continue
             extra = ["--database-url", self.database_url] if name == "ledger" and self.database_url else []
             port = self.http_port if name == "ingress" else None
             children.append(self._child(name, name, *extra, http_port=port))

@@ -219,3 +219,34 @@ def test_killed_control_plane_services_come_back_and_nothing_is_lost_or_counted_
 
         totals = wait_until(counted, timeout_s=30, interval_s=0.5)
         assert totals["requests"]["completed"] == completed, totals
+
+
+def test_ingress_replicas_share_the_port_and_a_dead_one_leaves_the_others_serving(tmp_path: Path) -> None:
+    with running_up(tmp_path, "--ingress", "2", "--time-scale", "0.05") as up:
+        client = up.client()
+
+        def served_by(name: str) -> float:
+            metrics = httpx.get(f"{_children(up)[name]['url']}/metrics", timeout=5).text
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("ripplemesh_ingress_http_requests_total{")
+            )
+
+        def ask() -> str:
+            # A connection of its own each time (as a retry after a cut connection has).
+            reply = client.completions.create(
+                model="llama-3-8b", prompt="hello mesh", max_tokens=4, extra_headers={"Connection": "close"}
+            )
+            return reply.choices[0].text
+
+        for _ in range(30):
+            assert ask()
+        # The kernel spread the connections (a new one per request) over both processes.
+        assert served_by("ingress-0") > 0 and served_by("ingress-1") > 0
+        old = kill(up, "ingress-0")
+        # While it is down (and restarting), every request finds the other.
+        answered = [ask() for _ in range(20)]
+        assert all(answered)
+        wait_back(up, "ingress-0", old)
+        assert ask()

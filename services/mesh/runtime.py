@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -82,6 +83,9 @@ class ServiceOptions:
     config: MeshConfig
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    # Also serve on this port, bound with SO_REUSEPORT so that several processes (ingress
+    # replicas) share it: the kernel spreads connections over the live ones.
+    shared_port: int | None = None
     # The services' NATS user (None: a server without authorization).
     nats_credentials: NatsCredentials | None = None
     # Copies of each stream and bucket: 3 on a 3-node cluster.
@@ -265,6 +269,15 @@ def _save_profile(profiler: cProfile.Profile | None, name: str) -> None:
     profiler.dump_stats(directory / f"{name}-{os.getpid()}.prof")
 
 
+def _shared_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 async def run_service(service: Service, options: ServiceOptions) -> None:
     """Run one service until SIGTERM/SIGINT, then shut it down gracefully."""
     setup_tracing(service.name, options.data_dir)
@@ -285,6 +298,12 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
         )
     )
     server_task = asyncio.create_task(server.serve(), name="http")
+    shared: _QuietServer | None = None
+    shared_task: asyncio.Task[None] | None = None
+    if options.shared_port is not None:
+        shared = _QuietServer(server.config)
+        sockets = [_shared_socket(options.http_host, options.shared_port)]
+        shared_task = asyncio.create_task(shared.serve(sockets=sockets), name="http-shared")
     bus = await Bus.connect(
         options.nats_url,
         service.name,
@@ -313,9 +332,11 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(service.stop(), timeout=15.0)
         await runtime.cancel_tasks()
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server_task, timeout=6.0)
+        for http, task in ((shared, shared_task), (server, server_task)):
+            if http is not None and task is not None:
+                http.should_exit = True
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task, timeout=6.0)
         await bus.close()
         shutdown_tracing()
         log.info("stopped")
