@@ -586,6 +586,9 @@ def bench_migration(rounds: int, streams: int, tokens: int, decode: int, mode: s
 @click.option("--nats-cluster", type=click.IntRange(1, 5), default=1, show_default=True)
 @click.option("--time-scale", type=float, default=1.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--data-dir", type=click.Path(path_type=Path), default=None, help="Keep the mesh's logs and data here."
+)
 def bench_chaos(
     duration_s: float,
     rate: float,
@@ -597,6 +600,7 @@ def bench_chaos(
     nats_cluster: int,
     time_scale: float,
     seed: int,
+    data_dir: Path | None,
 ) -> None:
     """The mesh as `up` runs it under streaming load while a service is killed (SIGKILL) every
     few seconds, each kind in turn: requests completed and failed, tokens duplicated or missing,
@@ -615,6 +619,7 @@ def bench_chaos(
         seed=seed,
         console=Console(),
         ingress=ingress,
+        data_dir=data_dir,
     )
 
 

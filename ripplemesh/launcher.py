@@ -16,6 +16,7 @@ each child reads the services' file (`--nats-credentials`), so no secret is on a
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +59,8 @@ class Child:
     restarts: int = 0
     recoveries_s: list[float] = field(default_factory=list)  # from each exit to healthy again
     history: ChildHistory = field(default_factory=ChildHistory)
+    # How to start it again, for a child that is not a `ripplemesh run` (an embedded NATS node).
+    respawn: Callable[[], subprocess.Popen[bytes]] | None = None
 
     @property
     def url(self) -> str:
@@ -102,6 +106,8 @@ class Mesh:
     credential_files: dict[str, Path] = field(default_factory=dict)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     stopping: bool = False
+    # The embedded NATS nodes, supervised as children are (stopped with NATS, not with them).
+    nats_children: list[Child] = field(default_factory=list)
 
     def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
         port = http_port or free_port()
@@ -155,7 +161,21 @@ class Mesh:
         if self.nats_url is None:
             if self.nats_auth and self.auth is None:
                 self.auth = auth_for_config(load_config(self.config_path))
-            self.nats = EmbeddedNats(self.data_dir / "nats", nodes=self.nats_cluster, auth=self.auth).start()
+            nats = self.nats = EmbeddedNats(
+                self.data_dir / "nats", nodes=self.nats_cluster, auth=self.auth
+            ).start()
+            self.nats_children = [
+                Child(
+                    f"nats-{node.name}",
+                    [],
+                    node.http_port,
+                    node.data_dir / "nats-server.log",
+                    process=node.process,
+                    started_at=time.monotonic(),
+                    respawn=functools.partial(nats.respawn, node),
+                )
+                for node in nats.nodes
+            ]
         servers = nats_servers(self.url)
         if self.auth is not None:
             self.credential_files = self.auth.write(directory, servers)
@@ -223,6 +243,10 @@ class Mesh:
             time.sleep(0.1)
 
     def _spawn(self, child: Child) -> None:
+        if child.respawn is not None:
+            child.process = child.respawn()
+            child.started_at = time.monotonic()
+            return
         with child.log_path.open("ab") as log:
             child.process = subprocess.Popen(
                 child.args,
@@ -241,7 +265,7 @@ class Mesh:
             return []
         now = time.monotonic() if now is None else now
         said: list[str] = []
-        for child in self.children:
+        for child in [*self.nats_children, *self.children]:
             process = child.process
             if child.state in ("running", "starting") and process is not None and process.poll() is not None:
                 child.exited_at = child.exited_at if child.state == "starting" else now
@@ -285,7 +309,7 @@ class Mesh:
                 "url": child.url,
                 "log": str(child.log_path),
             }
-            for child in self.children
+            for child in [*self.nats_children, *self.children]
         }
 
     def _write_status(self) -> None:

@@ -33,7 +33,9 @@ from schemas.events import (
     StreamFinished,
     TokenChunk,
     TokenEvent,
+    Usage,
     WorkerState,
+    derived_event_id,
     encode_event,
     new_event_id,
 )
@@ -389,6 +391,73 @@ async def test_killed_prefill_worker_its_request_is_placed_again(
     finally:
         prefill.args[:] = normal
         await asyncio.to_thread(restore, fleet, "prefill-0")
+
+
+async def test_a_worker_lost_between_its_streams_end_and_its_report_is_reported_for_once(
+    fleet: Mesh, nc: NatsClient
+) -> None:
+    """The client's stream ended but the worker died before it told the ledger: the take-over
+    publishes the completion the worker would have (its event id, the stream's usage, no GPU
+    time), so the ledger counts the request completed, once."""
+    config = load_config(fleet.config_path)
+    rid = "ended-unreported"
+    request = prepare(
+        ClientRequest(
+            request_id=rid,
+            tenant="acme",
+            model="llama-3-8b",
+            api="nats",
+            prompt=PROMPT,
+            messages=None,
+            max_tokens=2,
+        ),
+        config,
+        time.time(),
+    )
+    # Aggregated on a worker that is gone: its work still on its subject, its stream complete.
+    work = PrefillWork(
+        event_id=new_event_id(),
+        occurred_at=time.time(),
+        request=request,
+        prefill_worker="ghost-0",
+        decode_worker="ghost-0",
+    )
+    js = nc.jetstream()
+    usage = Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=2)
+    for event in (
+        TokenChunk(
+            event_id=f"{rid}-0", occurred_at=time.time(), request_id=rid, seq=0, token_ids=[300], text="a"
+        ),
+        TokenChunk(
+            event_id=f"{rid}-1", occurred_at=time.time(), request_id=rid, seq=1, token_ids=[301], text="b"
+        ),
+        StreamFinished(
+            event_id=f"{rid}-2",
+            occurred_at=time.time(),
+            request_id=rid,
+            seq=2,
+            finish_reason="length",
+            usage=usage,
+        ),
+    ):
+        await js.publish(
+            tokens_subject("acme", rid), encode_event(event), headers={"Nats-Msg-Id": event.event_id}
+        )
+    await js.publish(
+        work_subject("prefill", "ghost-0"), encode_event(work), headers={"Nats-Msg-Id": work.event_id}
+    )
+    await (await js.key_value(WORKERS.bucket)).delete("ghost-0")  # gone, as a lost worker's entry
+    (completed,) = await wait_for_events(nc, "decode_completed", rid)
+    assert completed["event_id"] == derived_event_id(work.event_id, "decode_completed")
+    assert completed["usage"]["completion_tokens"] == 2 and completed["gpu_seconds"] == 0.0
+    ledger = fleet.child("ledger").url
+
+    def recorded() -> dict[str, Any] | None:
+        response = httpx.get(f"{ledger}/v1/ledger/requests/{rid}", timeout=5)
+        return response.json() if response.status_code == 200 else None
+
+    row = await asyncio.to_thread(wait_until, recorded, 15)
+    assert row["status"] == "completed"
 
 
 async def test_drained_decode_worker_hands_its_stream_off_and_exits(

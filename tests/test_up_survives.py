@@ -245,8 +245,28 @@ def test_ingress_replicas_share_the_port_and_a_dead_one_leaves_the_others_servin
         # The kernel spread the connections (a new one per request) over both processes.
         assert served_by("ingress-0") > 0 and served_by("ingress-1") > 0
         old = kill(up, "ingress-0")
-        # While it is down (and restarting), every request finds the other.
+        # While it is down (and restarting), every request finds the other: at once, or on its
+        # retry when its connection was still queued on the dying process.
+        client = client.with_options(max_retries=1)
         answered = [ask() for _ in range(20)]
         assert all(answered)
         wait_back(up, "ingress-0", old)
         assert ask()
+
+
+def test_a_killed_nats_node_of_the_cluster_is_restarted_and_the_mesh_serves_throughout(
+    tmp_path: Path,
+) -> None:
+    with running_up(tmp_path, "--nats-cluster", "3", "--time-scale", "0.05") as up:
+        client = up.client()
+        nodes = sorted(name for name in _children(up) if name.startswith("nats-"))
+        assert len(nodes) == 3
+        old = kill(up, nodes[0])
+        # Two of three nodes keep the replicated streams' quorum: requests are served meanwhile.
+        for _ in range(5):
+            reply = client.completions.create(model="llama-3-8b", prompt="still there?", max_tokens=4)
+            assert reply.choices[0].finish_reason == "length"
+        back = wait_back(up, nodes[0], old)
+        assert back["restarts"] == 1
+        reply = client.completions.create(model="llama-3-8b", prompt="and now?", max_tokens=4)
+        assert reply.choices[0].text

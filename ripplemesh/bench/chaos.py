@@ -1,11 +1,12 @@
 """`ripplemesh bench chaos`: the mesh as `up` runs it, under a steady load of streaming requests
 from the official openai client, while a service is killed (SIGKILL) every few seconds.
 
-Services are killed in turn by kind (decode, prefill, router, admission, ledger, ingress), a
-random one of the kind, so each kind dies about equally often; `up`'s supervisor (the same
-`Mesh.tend` that `up` calls) restarts them. The load is open-loop at `rate` requests per second,
-greedy, each prompt one of a small set, so that every completed stream can be checked against
-what an undisturbed mesh answers for the same prompt (asked once the drill is over).
+Services are killed in turn by kind (decode, prefill, router, admission, ledger, ingress, and
+on a NATS cluster a NATS node), a random one of the kind, so each kind dies about equally
+often; `up`'s supervisor (the same `Mesh.tend` that `up` calls) restarts them. The load is
+open-loop at `rate` requests per second, greedy, each prompt one of a small set, so that every
+completed stream can be checked against what an undisturbed mesh answers for the same prompt
+(asked once the drill is over).
 
 Figures:
 - requests sent, completed, failed by reason, and those cut because the ingress process holding
@@ -19,6 +20,7 @@ Figures:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import statistics
@@ -108,10 +110,14 @@ def _supervise(mesh: Mesh, stop: threading.Event, console: Console) -> None:
         time.sleep(0.1)
 
 
+def _kinds(mesh: Mesh) -> tuple[str, ...]:
+    return (*KINDS, "nats") if len(mesh.nats_children) > 1 else KINDS
+
+
 def _kill_one(mesh: Mesh, kind: str, rng: random.Random) -> Kill | None:
     running = [
         c
-        for c in mesh.children
+        for c in [*mesh.nats_children, *mesh.children]
         if c.name.split("-")[0] == kind and c.state == "running" and c.process is not None
     ]
     if not running:
@@ -141,7 +147,8 @@ async def _drill(
                 tasks.append(asyncio.create_task(_one(api, outcome, max_tokens)))
                 sent += 1
             if now >= next_kill:
-                kill = _kill_one(mesh, KINDS[turn % len(KINDS)], rng)
+                kinds = _kinds(mesh)
+                kill = _kill_one(mesh, kinds[turn % len(kinds)], rng)
                 turn += 1
                 if kill is not None:
                     drill.kills.append(kill)
@@ -204,7 +211,7 @@ def _ledger_status(mesh: Mesh, request_id: str) -> str | None:
 def _recoveries(mesh: Mesh, drill: Drill) -> None:
     """Each kill's recovery: the supervisor's times from seeing the exit (within 0.1 s of the
     kill) to the service healthy again, in order per child."""
-    by_child: dict[str, list[float]] = {c.name: list(c.recoveries_s) for c in mesh.children}
+    by_child = {c.name: list(c.recoveries_s) for c in [*mesh.nats_children, *mesh.children]}
     for kill in drill.kills:
         times = by_child.get(kill.name) or []
         kill.recovered_s = times.pop(0) if times else None
@@ -223,9 +230,12 @@ def run_chaos_bench(
     seed: int,
     console: Console,
     ingress: int = 1,
+    data_dir: Path | None = None,
 ) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="ripplemesh-chaos-") as tmp:
-        data_dir = Path(tmp)
+    with contextlib.ExitStack() as cleanup:
+        if data_dir is None:  # kept only when given: its logs tell what each failure was
+            data_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="ripplemesh-chaos-")))
+        data_dir.mkdir(parents=True, exist_ok=True)
         config = data_dir / "ripplemesh.toml"
         config.write_text(DEFAULT_CONFIG.read_text())
         mesh = Mesh(
@@ -329,7 +339,7 @@ def _report(
     kills = Table(title="kills", show_header=True)
     for column in ("kind", "kills", "back within (s): median", "max", "not back"):
         kills.add_column(column, justify="right")
-    for kind in KINDS:
+    for kind in dict.fromkeys(k.kind for k in drill.kills):
         of_kind = [k for k in drill.kills if k.kind == kind]
         times = [k.recovered_s for k in of_kind if k.recovered_s is not None]
         kills.add_row(

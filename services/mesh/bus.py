@@ -258,13 +258,17 @@ class Bus:
                 await asyncio.sleep(0.5)
 
     async def _provision(self, streams: list[StreamSpec], buckets: list[KvBucketSpec]) -> None:
+        # Each call answered in milliseconds on a settled cluster; one left unanswered (a node
+        # just lost, its meta leader moving) is tried again after 2 s, not a publish's 5 s: a
+        # service restarted then is back that much sooner.
+        js = self.nc.jetstream(timeout=RETRY_ATTEMPT_TIMEOUT_S)
         for spec in streams:
             config = _stream_config(spec, self.replicas)
             try:
-                await self.js.add_stream(config)
+                await js.add_stream(config)
             except BadRequestError:
                 # Exists with another configuration (an upgrade): bring it to this spec.
-                await self.js.update_stream(config)
+                await js.update_stream(config)
         for bucket in buckets:
             await self.key_value(bucket)
         if self.replicas > 1:

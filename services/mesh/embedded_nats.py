@@ -183,6 +183,13 @@ class EmbeddedNats:
         self._spawn(node)
         self.wait_ready(timeout_s, [node])
 
+    def respawn(self, node: NatsNode) -> subprocess.Popen[bytes]:
+        """Start a node that died again, on its ports and data, without waiting for it (a
+        supervisor checks its health): it rejoins the cluster and catches up."""
+        self._spawn(node)
+        assert node.process is not None
+        return node.process
+
     def node_named(self, name: str) -> NatsNode:
         return next(node for node in self.nodes if node.name == name)
 

@@ -18,7 +18,9 @@ Every router replica runs a `Migrator` (the router service starts it):
   (`Resumption`), which the router places through its policy like any admitted request. The old
   message is deleted, the old worker told to drop the request (``revoke``, in case it was only
   slow) and a `RequestMigrated` recorded. Past `max_migrations` the stream fails with a clear
-  `StreamFailed` instead.
+  `StreamFailed` instead. A stream already complete whose worker died before reporting it gets
+  that report from the migrator (`_completed_for`: the same event id, no GPU time), so the
+  ledger counts the request once.
 - **Replicas.** Every replica sees the same deaths and takes over the same work: the events it
   publishes have ids derived from (request, migration number), so JetStream's duplicate window
   keeps one re-placement, and one `RequestMigrated`.
@@ -51,12 +53,16 @@ from prometheus_client import Counter, Histogram
 
 from schemas.events import (
     DeadLetter,
+    DecodeCompleted,
+    DecodeWork,
+    PrefillWork,
     RequestAdmitted,
     RequestCancelled,
     RequestFailed,
     RequestMigrated,
     StreamFailed,
     StreamFinished,
+    Usage,
     WorkerControl,
     WorkerState,
     WorkItem,
@@ -153,6 +159,7 @@ class Migrator:
         self._declare_tried: dict[str, float] = {}
         self._orphans: dict[str, float] = {}
         self._cancelled: OrderedDict[str, str] = OrderedDict()
+        self._gpu_types: dict[str, str] = {}
         self._slots = asyncio.Semaphore(TAKEOVERS_IN_FLIGHT)
         self.outcomes: dict[str, int] = {}
         self.workers_watch: HeartbeatWatch | None = None
@@ -186,6 +193,7 @@ class Migrator:
                     state = _worker_decoder.decode(entry.value)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue  # the router's own watch logs it
+                self._gpu_types[state.worker_id] = state.gpu_type
                 self.liveness.heartbeat(
                     state.worker_id, state.occurred_at, entry.revision or 0, state.draining, state.started_at
                 )
@@ -401,6 +409,9 @@ class Migrator:
         now = time.time()
         workflow = request.workflow
         if isinstance(decision, AlreadyEnded):
+            finished = next((e for e in stored if isinstance(e, StreamFinished)), None)
+            if finished is not None:
+                await self._completed_for(item, worker_id, finished.usage, finished.finish_reason, now)
             await self._delete(raw)
             return "ended"
         if isinstance(decision, FinishNow):
@@ -415,6 +426,7 @@ class Migrator:
                     usage=decision.usage,
                 ),
             )
+            await self._completed_for(item, worker_id, decision.usage, "length", now)
             await self._delete(raw)
             return "finished"
         if isinstance(decision, GiveUp):
@@ -453,6 +465,44 @@ class Migrator:
         assert isinstance(decision, Resume)
         await self._migrate(raw, decision, worker_id, phase, reason)
         return "migrated"
+
+    async def _completed_for(
+        self,
+        item: WorkItem,
+        worker_id: str,
+        usage: Usage,
+        finish_reason: Literal["stop", "length"],
+        now: float,
+    ) -> None:
+        """The completion a worker lost between its stream's end and its report would have
+        published, for the ledger: the same event id (a late report from a worker that was only
+        slow is then stored once), its usage from the stream, no GPU time (the lost worker's is
+        not known). Only for the work that reports completions: a decode, or an aggregated
+        prefill (the decode side of a hand-off reports its own)."""
+        if isinstance(item, PrefillWork) and item.prefill_worker != item.decode_worker:
+            return
+        request = item.request
+        workflow = request.workflow
+        await self.runtime.bus.publish(
+            event_subject("decode_completed"),
+            DecodeCompleted(
+                event_id=derived_event_id(item.event_id, "decode_completed"),
+                occurred_at=now,
+                request_id=request.request_id,
+                tenant=request.tenant,
+                workflow_id=workflow.workflow_id if workflow else None,
+                worker_id=worker_id,
+                gpu_type=self._gpu_types.get(worker_id, "unknown"),
+                gpu_seconds=0.0,
+                kv_transfer_bytes=item.kv.kv_bytes if isinstance(item, DecodeWork) else 0,
+                usage=usage,
+                finish_reason=finish_reason,
+                latency_s=max(0.0, now - request.submitted_at),
+                workflow_step=workflow.step if workflow else None,
+                workflow_steps=workflow.steps if workflow else None,
+                deadline_at=request.deadline_at,
+            ),
+        )
 
     async def _migrate(
         self,
