@@ -5,7 +5,8 @@ Children are told by Linux to exit if this process dies, so nothing is ever left
 child that exits on its own is restarted, with the same arguments (its worker id, its durable
 consumers, its port), by `tend`, which `up` calls a few times a second (supervision.py decides
 when, and when to give up on a crash loop); the rest keep running. `<data_dir>/supervisor.json`
-says where each child stands (`ripplemesh status`).
+says where each child stands (`ripplemesh status`), `<data_dir>/supervisor.prom` the same as
+metrics.
 
 The embedded NATS is one server or a cluster of `nats_cluster` nodes (streams then get that
 many replicas, up to 3), with the mesh's users: the services' and one per tenant (see
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from ripplemesh.supervision import ChildHistory, GiveUp, RestartPolicy, on_exit
 from services.mesh.bus import nats_servers
@@ -313,9 +315,28 @@ class Mesh:
         }
 
     def _write_status(self) -> None:
-        path = self.data_dir / "supervisor.json"
-        temporary = path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps({"pid": os.getpid(), "children": self.status()}, indent=1))
+        """`supervisor.json` for `ripplemesh status`, and the same as Prometheus metrics in
+        `supervisor.prom` (a node exporter's textfile collector reads it)."""
+        status = self.status()
+        self._write(
+            self.data_dir / "supervisor.json", json.dumps({"pid": os.getpid(), "children": status}, indent=1)
+        )
+        registry = CollectorRegistry()
+        restarts = Gauge(
+            "ripplemesh_up_restarts", "Restarts of a service by `up`.", ["child"], registry=registry
+        )
+        given_up = Gauge(
+            "ripplemesh_up_given_up", "1: a crash loop, left stopped.", ["child"], registry=registry
+        )
+        for name, child in status.items():
+            restarts.labels(name).set(child["restarts"])
+            given_up.labels(name).set(1 if child["state"] == "gave_up" else 0)
+        self._write(self.data_dir / "supervisor.prom", generate_latest(registry).decode())
+
+    @staticmethod
+    def _write(path: Path, text: str) -> None:
+        temporary = path.with_suffix(path.suffix + ".tmp")
+        temporary.write_text(text)
         temporary.replace(path)
 
     def child(self, name: str) -> Child:

@@ -78,6 +78,11 @@ api_keys_sha256 = []
 requests_per_s = 0.5
 request_burst = 1.0
 
+[tenants.backlog]
+api_keys_sha256 = []
+requests_per_s = 0.5
+request_burst = 1.0
+
 [tenants.prompts]
 api_keys_sha256 = []
 input_tokens_per_s = 100.0
@@ -386,6 +391,28 @@ async def test_quota_rejections_are_429_with_the_buckets_retry_after(bus: Bus, o
         assert observed.rejected[again].code == "quota" and observed.rejected[again].retry_after_s
         assert observed.rejected[never].retry_after_s is None
         assert "more than tenant 'prompts''s burst of 100" in observed.rejected[never].message
+
+
+async def test_a_backlog_held_back_by_an_outage_is_charged_as_it_arrived(
+    bus: Bus, observed: Observed
+) -> None:
+    """Requests sent at the tenant's rate, then held back (admission restarting, a NATS node
+    lost) and released at once, are no burst of the tenant's: the buckets charge each as of
+    its submission."""
+    async with Fleet(bus):
+        now = time.time()
+        backlog = []
+        for sent in (now - 4.4, now - 2.2, now):  # one every 2.2 s: within 1 per 2 s
+            event = prepared("backlog")
+            request = msgspec.structs.replace(event.request, submitted_at=sent)
+            backlog.append(msgspec.structs.replace(event, request=request))
+        ids = await submit(bus, *backlog)
+        await observed.until(lambda: all(observed.decided(r) for r in ids))
+        assert all(r in observed.admitted for r in ids), [observed.rejected.get(r) for r in ids]
+        # Sent now, right after the last of them: over the rate, and refused.
+        together = await submit(bus, prepared("backlog"), prepared("backlog"))
+        await observed.until(lambda: all(observed.decided(r) for r in together))
+        assert observed.rejected[together[1]].code == "quota"
 
 
 async def test_the_concurrency_cap_holds_until_a_request_completes(bus: Bus, observed: Observed) -> None:

@@ -377,7 +377,11 @@ class AdmissionService:
             return rejected or Reject("invalid", f"unknown tenant {request.tenant!r}", None)
         if self.limits.control == "none":
             return Admit()
-        rejected = await self._charge(admission, quota, now)
+        # The tenant's rate is when it sent, not when admission got to it: a backlog that an
+        # outage held back (admission restarting, a NATS node lost) and releases at once is
+        # charged as it arrived, not as a burst of the tenant's. Never later than now, so a
+        # client's clock cannot buy refill.
+        rejected = await self._charge(admission, quota, min(now, request.submitted_at))
         if rejected is not None:
             return rejected
         if self.limits.control == "rate_limit":
