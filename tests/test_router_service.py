@@ -540,7 +540,10 @@ async def test_admissions_hold_on_a_request_tells_the_router_the_fleet_is_presse
         expected = place(copy.deepcopy(router.state), route_request(fresh), prefix, time.time())
         assert isinstance(expected, Placement), expected
         await admit(bus, fresh)
-        await eventually(lambda: fresh.request_id in collected.work)
+        # The work and the decision event travel apart: wait for both.
+        await eventually(
+            lambda: fresh.request_id in collected.work and fresh.request_id in collected.decisions
+        )
         chosen = collected.decisions[fresh.request_id].chosen
         assert chosen is not None and 0.5 < chosen.success_probability < 0.95
         held = task()

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -39,6 +39,7 @@ from schemas.events import (
     PrefillWork,
     RequestCancelled,
     WorkerControl,
+    WorkerState,
     WorkStopped,
     derived_event_id,
     encode_event,
@@ -47,7 +48,8 @@ from schemas.subjects import control_subject, event_subject
 from services.mesh.consumer import Delivery
 
 if TYPE_CHECKING:
-    from services.engines.host import EngineHost
+    from services.engines.base import Engine
+    from services.mesh.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,23 @@ _cancel_decoder = msgspec.json.Decoder(RequestCancelled)
 _control_decoder = msgspec.json.Decoder(WorkerControl)
 
 
+class LifecycleHost(Protocol):
+    """What the lifecycle needs of the worker it runs in (`services.engines.host.EngineHost`).
+
+    A protocol rather than the host class itself, so this module does not import the host that
+    imports it."""
+
+    worker_id: str
+    runtime: Runtime
+    engine: Engine
+    # Set by a drain; read back into heartbeats and health.
+    draining: bool
+
+    def state(self) -> WorkerState: ...
+
+    async def heartbeat(self) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class InFlight:
     """One request's work on this worker."""
@@ -88,7 +107,7 @@ class InFlight:
 
 
 class WorkerLifecycle:
-    def __init__(self, host: EngineHost):
+    def __init__(self, host: LifecycleHost):
         self.host = host
         self.inflight: dict[str, InFlight] = {}
         self._cancelled: OrderedDict[str, str] = OrderedDict()  # request id -> tenant

@@ -2,7 +2,7 @@
 
 `fold(events, prices)` turns the new (not yet recorded) events of a batch, in delivery order, into
 one `RequestDelta` per request and the pricing errors. The store applies every delta with the same
-upsert (store.py), and the result is the row that applying the events one at a time would give:
+upsert (upserts.py), and the result is the row that applying the events one at a time would give:
 
 - added columns (GPU-seconds, costs, KV transfer bytes) are summed;
 - replaced columns take the latest reported value: prompt and cached tokens from either phase's

@@ -4,7 +4,7 @@ A task is a standalone request, or every request that shares a `workflow_id` (an
 The ledger keeps one row of facts per task (``tasks``, store.py), each fact a sum, a maximum or a
 minimum over the task's events, so that any order of events (and any batching) gives the same
 row. A task's status is a function of those facts and of the time of evaluation (`task_status`);
-the store evaluates the same rules in SQL (`store._status_sql`), and a test holds the two equal.
+the store evaluates the same rules in SQL (`queries.task_statuses`), and a test holds the two equal.
 
 Rules, in order:
 

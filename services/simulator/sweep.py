@@ -63,7 +63,7 @@ class SweepPoint:
 
 
 # The agentic generator's seeds the router's knobs were fitted on, the sweep's default. Their
-# variants were weighed again on 0-9; 10 and up are held out (docs/router-experiments.md, "Ten seeds").
+# variants were weighed again on 0-9; 10 and up are held out (docs/experiments.md).
 FITTED_SEEDS = (0, 1, 2, 3, 4)
 
 
@@ -571,9 +571,8 @@ def _spend_cells(g: GroupSummary) -> tuple[str, ...]:
 
 
 def write_summary(sweep: Sweep, out: Path) -> list[Path]:
-    """summary.json (every margin and group) and summary.md (the tables as docs/router-experiments.md has
-    them: a cell per point, a bold cost where a baseline is cheaper, a bold SLO where one is
-    better)."""
+    """summary.json (every margin and group) and summary.md (a table per group: a cell per point,
+    a bold cost where a baseline is cheaper, a bold SLO where one is better)."""
     groups = summarise(sweep)
     # Every policy's pooled figures per rate and admission, for comparisons the tables do not make.
     pooled = {
