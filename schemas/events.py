@@ -1,5 +1,9 @@
 """Every event ripplemesh services exchange, as frozen msgspec Structs.
 
+One module on purpose: it is the event contract, and a reader (or a reviewer of a change to it)
+sees it whole here; `AnyEvent`, the union every decoder uses, and schemas/generate.py, which
+documents every event it names, need all the events in one namespace.
+
 Conventions (see docs/architecture.md):
 - Each event is tagged by `type` (e.g. ``"request.prepared.v1"``); a breaking change is a new tag,
   so old and new producers can share a stream during a rollout.

@@ -57,7 +57,7 @@ def admission_messages_held(max_deferred: int) -> int:
 
 
 class AdmissionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Admission's limits: the fields of `AdmissionLimits` (services/admission/policy.py), whose
+    """Admission's limits: the fields of `AdmissionLimits` (services/admission/policy/types.py), whose
     defaults these are."""
 
     control: Control = _ADMISSION.control

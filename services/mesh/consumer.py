@@ -1,5 +1,9 @@
 """The consume loop every service uses for its durable JetStream consumers.
 
+One module because it is one consume loop: the pull feed, the direct hand-off, presence,
+progress reports and dead letters together decide when a message is acked, and the contract
+below is only checkable read as a whole.
+
 Contract (docs/architecture.md, "Reliability"):
 - decode strictly into the consumer's event type; an undecodable message is dead-lettered to
   ``rmesh.dlq.<stream>`` with the reason and acked: it never stops the consumer;

@@ -16,7 +16,7 @@ With prefill workers live, each rule picks a prefill worker and a decode worker 
 roles (disaggregated, as place() does); otherwise one worker serves both (aggregated).
 
 - round_robin: the next live worker in turn (Dynamo's and SGLang's `round_robin` router modes).
-- least_loaded: the router's own least-loaded rule (services/router/policy.py: `load` and its
+- least_loaded: the router's own least-loaded rule (services/router/policy/choose.py: `load` and its
   tie-break), reused, not copied.
 - dynamo_kv: NVIDIA Dynamo's KV router.
 - llmd_weighted: llm-d's default scheduling profile (the Gateway API Inference Extension's scorers).
@@ -147,7 +147,7 @@ def round_robin(
 
 
 def least_loaded(state: RouterState, *, request_id: str, model: str, block_size: int, now: float) -> Decision:
-    """The least-loaded live worker of each role: services/router/policy.py's rule (its `load`:
+    """The least-loaded live worker of each role: services/router/policy/choose.py's rule (its `load`:
     queue + running + placed since the heartbeat + KV fraction, and its tie-break), which is
     what policy.place decides today. Kept here under its own name so that the baseline stays
     least-loaded when place() grows into ripplemesh's full router."""

@@ -2,7 +2,7 @@
 
 A variant is named on the command line as ``NAME[:key=value,...]``:
 
-- ``ripplemesh``: services/admission/policy.py in full: the tenants' quotas, priority classes and
+- ``ripplemesh``: services/admission/policy/ in full: the tenants' quotas, priority classes and
   shedding, weighted fair queuing, deadline feasibility from the router's prediction, workflow
   protection, bounded deferral. Keys: any field of `AdmissionLimits` (e.g.
   ``ripplemesh:queue_per_worker=6,max_defer_s=20``).

@@ -1,4 +1,4 @@
-"""`ripplemesh simulate`: what the command does, behind its click options (ripplemesh/cli.py)."""
+"""`ripplemesh simulate`: what the command does, behind its click options (commands/simulate.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """`ripplemesh sweep`: the router's comparison with the baselines across rates, trace windows and
 generator seeds, in one command (docs/router.md, "Comparison with the baselines").
 
+One module because a sweep is one pipeline over one file layout: points, cells, margins and
+summary, read top to bottom in the order docs/router.md describes them.
+
 A sweep is a list of points (a workload at a rate on a fleet); every policy runs at every point
 under every admission variant. Each such cell is one simulator run in a worker process, written
 to ``OUT/<point>/<admission>/<policy>.json``. A cell whose file is already there is read, not run

@@ -1,5 +1,9 @@
 """Workloads for the simulator: real traces and a synthetic agentic-workflow generator, streamed.
 
+One module because the three workloads implement one small interface (`Task`, `Workload`) and
+share its prefix-hash conventions (the chain seed, `mix64`, the 512-token Mooncake blocks);
+`load_workload` picks among them from one spec string.
+
 A workload is a stream of tasks in arrival order. A task is a standalone request (a trace line)
 or a workflow of several steps (an agent run); its steps are built one at a time, when the
 simulator issues them, so memory holds only the tasks in flight, never the whole workload.

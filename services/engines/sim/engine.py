@@ -1,5 +1,9 @@
 """The sim engine: continuous batching over the roofline model, with a paged prefix cache.
 
+One module because the scheduler loop and its sequences are one state machine; the parts that
+stand alone are already apart: the roofline model (perf.py), the paged cache (blocks.py) and
+constrained outputs (synthetic.py).
+
 One scheduler loop runs steps as a serving engine does (vLLM's, with chunked prefill):
 1. sequences whose decode was asked for join the running batch (up to `max_running`);
 2. every running decode gets one token of the step's token budget, and the KV block that token

@@ -1,5 +1,9 @@
 """The vLLM engine: `base.Engine` over vLLM's v1 `AsyncLLM`, for real models on CUDA GPUs.
 
+One module because it is one class over one AsyncLLM: the three roles share its table of
+sequences and their output streams. What stands apart is already apart: vLLM's import (loader.py), its KV
+events (kv_events.py) and GPU-time accounting (accounting.py).
+
 One AsyncLLM per engine, built with `AsyncLLM.from_engine_args(AsyncEngineArgs(...))`: prefix
 caching on, the mesh's block size (so a vLLM block and a project block cover the same tokens),
 stats on (the engine reads vLLM's per-request timestamps and scheduler stats), KV cache events

@@ -1,0 +1,23 @@
+"""`ripplemesh trace`: a request's span tree from the locally written traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from services.mesh.config import default_data_dir
+
+
+@click.command()
+@click.argument("request_id")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None)
+def trace(request_id: str, data_dir: Path | None) -> None:
+    """Print a request's span tree from the locally written traces."""
+    from ripplemesh.traces import load_request_trace, render_tree
+
+    spans = load_request_trace((data_dir or default_data_dir()).resolve(), request_id)
+    if not spans:
+        raise click.ClickException(f"no spans found for request {request_id}")
+    Console().print(render_tree(spans))

@@ -1,0 +1,130 @@
+"""What a run keeps per task and per request while they are in flight, what it logs of a request
+when it ends (`RequestRecord`), and the run's options (`SimOptions`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.router.policy import RouterConfig, RouteRequest
+from services.simulator.workload import Step, Task
+
+if TYPE_CHECKING:
+    from services.simulator.worker import Seq, SimWorker
+
+Progress = Callable[[int, int | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request's outcome, for `Simulator(request_log=...)` (tests, per-request exports)."""
+
+    request_id: str
+    tenant: str
+    arrival: float
+    first_token_at: float | None
+    finished_at: float
+    outcome: str  # "completed", or "stage:reason" of its rejection or failure
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    gpu_seconds: float
+    workers: tuple[str, ...]
+
+
+RequestLog = Callable[[RequestRecord], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    abandon_past_deadline: bool = True  # clients give up on a request at its deadline
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.1
+    # The infinite-cache upper bound keeps every distinct prompt block hash seen (about 70 bytes
+    # each): the one metric whose memory grows with the workload. Off for the largest runs.
+    prefix_upper_bound: bool = True
+    progress_every: int = 2000  # tasks between progress callbacks
+    # ripplemesh's policy's knobs (and what admission's predictions read): the default's, or a
+    # variant's (`policies.parse_router_config`).
+    router_config: RouterConfig = field(default_factory=RouterConfig)
+
+
+class _TaskRun:
+    """A task in flight, with the facts the ledger keeps of it (services/ledger/tasks.py)."""
+
+    __slots__ = (
+        "deadline_misses",
+        "ended",
+        "final_completed_at",
+        "gpu_s",
+        "max_completed_step",
+        "max_failed_step",
+        "spend",
+        "step_index",
+        "succeeded",
+        "task",
+    )
+
+    def __init__(self, task: Task):
+        self.task = task
+        self.step_index = 0
+        self.spend = 0.0
+        self.gpu_s = 0.0
+        self.ended = False
+        self.succeeded = False
+        self.max_completed_step = 0
+        self.max_failed_step = 0
+        self.final_completed_at: float | None = None
+        self.deadline_misses = 0
+
+
+class _RequestRun:
+    __slots__ = (
+        "arrival",
+        "cached",
+        "deadline_at",
+        "done",
+        "first_token_at",
+        "gpu_s",
+        "index",
+        "outcome",
+        "placed",
+        "queue_s",
+        "reserved",
+        "rid",
+        "route_request",
+        "spec",
+        "task_run",
+        "upper_bound",
+        "workers",
+    )
+
+    def __init__(self, task_run: _TaskRun, index: int, rid: str, spec: Step, arrival: float):
+        self.task_run = task_run
+        self.index = index
+        self.rid = rid
+        self.spec = spec
+        self.arrival = arrival
+        self.deadline_at = arrival + spec.deadline_s if spec.deadline_s is not None else None
+        self.first_token_at: float | None = None
+        self.workers: dict[Seq, SimWorker] = {}
+        self.queue_s: float | None = None
+        self.reserved: SimWorker | None = None  # a decode worker holding a place for the KV
+        self.upper_bound = 0  # prompt tokens an infinite cache would hold for it
+        self.gpu_s = 0.0
+        self.cached = 0
+        self.placed: tuple[str, ...] = ()
+        self.outcome: tuple[str, float] | None = None  # to log once its GPU time is all charged
+        self.done = False
+        self.route_request: RouteRequest | None = None  # as last built (`Simulator._route_request`)
+
+
+class _TenantFigures:
+    __slots__ = ("admitted", "admitted_tokens", "requests", "slo_met")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.admitted = 0
+        self.admitted_tokens = 0
+        self.slo_met = 0

@@ -1,0 +1,139 @@
+"""A run's result: the tallies, the fleet's provisioned time and the tenants' figures summed up
+into a `SimResult`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.ledger import pricing
+from services.simulator.fleet import FleetSpec
+from services.simulator.metrics import SimResult, latency_stats, ratio
+from services.simulator.policies import router_config_changes
+from services.simulator.state import SimState
+
+
+def result_of(sim: SimState, wall_s: float) -> SimResult:
+    """The run's `SimResult`, from its state once the loop has ended."""
+    end = sim.end_time
+    start = sim.first_arrival if sim.first_arrival is not None else 0.0
+    duration = max(0.0, end - start)
+    provisioned_gpu_s = 0.0
+    provisioned_usd = 0.0
+    busy_gpu_s = 0.0
+    preemptions = 0
+    for worker in sim.all_workers:
+        stop = worker.removed_at if worker.removed_at is not None else end
+        seconds = max(0.0, min(stop, end) - worker.provisioned_at) * worker.tensor_parallel
+        provisioned_gpu_s += seconds
+        provisioned_usd += pricing.price_gpu_seconds(worker.gpu_type, seconds, sim.prices)
+        busy_gpu_s += worker.busy_seconds * worker.tensor_parallel
+        preemptions += worker.preemptions
+    replicas = [s.provisioned for s in sim.timeline]
+    completed = sim.requests_completed
+    return SimResult(
+        policy=sim.policy_name,
+        workload=sim.workload.describe(),
+        fleet=_describe_fleet(sim.fleet, sim.block_size),
+        seed=sim.seed,
+        cost_per_successful_task_usd=ratio(provisioned_usd + sim.kv_transfer_usd, sim.tasks_succeeded),
+        total_spend_usd=provisioned_usd + sim.kv_transfer_usd,
+        attributed_spend_usd=sim.attributed_usd,
+        idle_spend_usd=max(0.0, provisioned_usd + sim.kv_transfer_usd - sim.attributed_usd),
+        wasted_spend_usd=sim.wasted_usd,
+        successful_spend_usd=sim.successful_usd,
+        busy_gpu_seconds=busy_gpu_s,
+        attributed_gpu_seconds=sim.attributed_gpu_s,
+        provisioned_gpu_seconds=provisioned_gpu_s,
+        gpu_utilisation=ratio(busy_gpu_s, provisioned_gpu_s),
+        kv_transfer_bytes=sim.kv_transfer_bytes,
+        kv_transfer_spend_usd=sim.kv_transfer_usd,
+        tasks=sim.tasks,
+        tasks_succeeded=sim.tasks_succeeded,
+        tasks_failed=dict(sorted(sim.tasks_failed.items())),
+        task_success_by_priority=dict(sorted(sim.by_priority.items())),
+        requests=sim.requests,
+        requests_completed=completed,
+        rejections=dict(sorted(sim.rejections.items())),
+        failures=dict(sorted(sim.failures.items())),
+        goodput_tasks_per_s=ratio(sim.tasks_succeeded, duration),
+        duration_s=duration,
+        ttft_s=latency_stats(sim.ttft),
+        tpot_s=latency_stats(sim.tpot),
+        e2e_s=latency_stats(sim.e2e),
+        queue_s=latency_stats(sim.queue),
+        slo={
+            "ttft_s": sim.options.slo_ttft_s,
+            "tpot_s": sim.options.slo_tpot_s,
+            # Over every request issued: a rejected or failed request misses its SLO.
+            "attainment": ratio(sim.slo_met, sim.requests),
+            "ttft_attainment": ratio(sim.slo_ttft_met, sim.requests),
+            "tpot_attainment": ratio(sim.slo_tpot_met, sim.requests),
+        },
+        prefix_cache={
+            "prompt_tokens": sim.prompt_tokens,
+            "cached_tokens": sim.cached_tokens,
+            "hit_rate": ratio(sim.cached_tokens, sim.prompt_tokens),
+            "upper_bound_tokens": sim.upper_bound_tokens if sim.options.prefix_upper_bound else None,
+            "upper_bound_hit_rate": (
+                ratio(sim.upper_bound_tokens, sim.prompt_tokens) if sim.options.prefix_upper_bound else None
+            ),
+        },
+        preemptions=preemptions,
+        fleet_timeline=sim.timeline,
+        peak_replicas=max(replicas, default=0),
+        mean_replicas=sum(replicas) / len(replicas) if replicas else None,
+        wall_s=wall_s,
+        events=sim.events,
+        admission=sim.admission_variant.name,
+        router_config=router_config_changes(sim.options.router_config),
+        deferred_requests=sim.deferred,
+        deferral_s=latency_stats(sim.deferral),
+        slo_by_priority={p: ratio(met, issued) for p, (met, issued) in sorted(sim.slo_by_priority.items())},
+        tenants=_tenant_figures(sim),
+    )
+
+
+def _tenant_figures(sim: SimState) -> dict[str, dict[str, Any]]:
+    tenants = sim.workload.tenants
+    class_tokens: dict[str, int] = {}
+    class_weight: dict[str, float] = {}
+    for name, figures in sim.by_tenant.items():
+        tenant = tenants[name]
+        class_tokens[tenant.priority] = class_tokens.get(tenant.priority, 0) + figures.admitted_tokens
+        class_weight[tenant.priority] = class_weight.get(tenant.priority, 0.0) + tenant.quota.weight
+    out: dict[str, dict[str, Any]] = {}
+    for name, figures in sorted(sim.by_tenant.items()):
+        tenant = tenants[name]
+        out[name] = {
+            "priority": tenant.priority,
+            "weight": tenant.quota.weight,
+            "requests": figures.requests,
+            "admitted": figures.admitted,
+            "admitted_tokens": figures.admitted_tokens,
+            "slo_attainment": ratio(figures.slo_met, figures.requests),
+            "token_share_in_class": ratio(figures.admitted_tokens, class_tokens[tenant.priority]),
+            "weight_share_in_class": ratio(tenant.quota.weight, class_weight[tenant.priority]),
+        }
+    return out
+
+
+def _describe_fleet(fleet: FleetSpec, block_size: int) -> dict[str, Any]:
+    return {
+        "block_size": block_size,
+        "heartbeat_s": fleet.heartbeat_s,
+        "autoscale_interval_s": fleet.autoscale_interval_s,
+        "pools": [
+            {
+                "name": pool.label(i),
+                "role": pool.role,
+                "gpu": pool.gpu,
+                "shape": pool.shape,
+                "replicas": pool.replicas,
+                "autoscale": pool.autoscale,
+                "min_replicas": pool.min_replicas,
+                "max_replicas": pool.max_replicas,
+                "tensor_parallel": pool.tensor_parallel,
+            }
+            for i, pool in enumerate(fleet.pools)
+        ],
+    }

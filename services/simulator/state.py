@@ -1,0 +1,152 @@
+"""The simulator's state and its clock: the event kinds, the heap of (time, order) events that
+`Simulator._loop` pops, the services' state (admission's, the router's view), the fleet's
+workers, the workload's cursor and the run's tallies, all set up by `SimState.__init__`."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from services.admission.policy import AdmissionState
+from services.mesh.config import MeshConfig
+from services.router import policy as router_policy
+from services.router.policy import RouterState, WorkerSpeed
+from services.simulator.admission import DEFAULT_ADMISSION, AdmissionVariant, parse_admission
+from services.simulator.fleet import FleetSpec, PoolSpec
+from services.simulator.metrics import FleetSample, LatencySketch
+from services.simulator.policies import FleetPrefixView, make_router
+from services.simulator.records import Progress, RequestLog, SimOptions, _RequestRun, _TenantFigures
+from services.simulator.worker import SimWorker
+from services.simulator.workload import Task, Workload
+
+# Event kinds.
+_STEP, _ARRIVAL, _NEXT_STEP, _IMPORT, _DEADLINE, _HEARTBEAT, _AUTOSCALE, _READY, _KICK, _ADMISSION = range(10)
+
+
+class SimState:
+    """Everything a run holds, and the clock: events are pushed here and popped by the loop."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        fleet: FleetSpec,
+        policy: str = "ripplemesh",
+        *,
+        seed: int = 0,
+        options: SimOptions | None = None,
+        progress: Progress | None = None,
+        prices: dict[str, float] | None = None,
+        request_log: RequestLog | None = None,
+        admission: AdmissionVariant | str = DEFAULT_ADMISSION,
+    ):
+        self.request_log = request_log
+        self.admission_variant = parse_admission(admission) if isinstance(admission, str) else admission
+        self.workload = workload
+        self.fleet = fleet
+        self.policy_name = policy
+        self.seed = seed
+        self.options = options or SimOptions()
+        self.progress = progress
+        self.block_size = fleet.block_size or workload.block_size
+        if fleet.heartbeat_s > router_policy.LIVENESS_S:
+            raise ValueError(
+                f"heartbeat_s ({fleet.heartbeat_s}) must not exceed the router's liveness "
+                f"window ({router_policy.LIVENESS_S} s)"
+            )
+        config = _mesh_config()
+        self.prices = dict(prices or fleet.gpu_prices_per_hour or config.gpu_prices_per_hour)
+        self.kv_usd_per_gb = (
+            fleet.kv_transfer_usd_per_gb
+            if fleet.kv_transfer_usd_per_gb is not None
+            else config.kv_transfer_usd_per_gb
+        )
+        self.task_timeout_s = config.task_timeout_s
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._order = itertools.count()
+        # Services' state.
+        self.admission = AdmissionState()
+        self.admission_limits = self.admission_variant.limits
+        self._quotas = self.admission_variant.quotas({n: t.quota for n, t in workload.tenants.items()})
+        self._admitting: dict[str, _RequestRun] = {}  # deferred requests (and the one being decided)
+        self._deadlines: dict[str, _RequestRun] = {}  # requests in flight whose client has a deadline
+        self._admission_tick_at: float | None = None
+        self.deferred = 0
+        self.deferral = LatencySketch()
+        self.by_tenant: dict[str, _TenantFigures] = {}
+        self.slo_by_priority: dict[str, list[int]] = {}  # priority -> [met, issued]
+        # The router learns from admission's config whether it is the only shedding (as the
+        # router service does from the mesh config); the run records the options' config.
+        self.router_state = RouterState(
+            config=dataclasses.replace(
+                self.options.router_config, admission_controls_load=self.admission_limits.controls_load
+            )
+        )
+        self.serving: dict[str, SimWorker] = {}  # workers that take (or finish) work
+        self.all_workers: list[SimWorker] = []
+        self.starting: dict[str, SimWorker] = {}
+        self.prefix = FleetPrefixView(self.serving, shared_prefixes=workload.prefix_sharing)
+        self._speeds: dict[str, WorkerSpeed] = {}  # each worker's roofline, for the router's view
+        self.router = make_router(policy, self.prefix)
+        self._pool_of: dict[str, PoolSpec] = {}
+        self._pool_counter: dict[str, itertools.count[int]] = {}
+        self._below_since: dict[str, float] = {}
+        self._desired: dict[str, int] = {}
+        # The workload.
+        self._tasks: Iterator[Task] = workload.tasks()
+        self._next_task: Task | None = None
+        self._total_hint = workload.count_hint()
+        self.active_tasks = 0
+        # Metrics.
+        self.tasks = 0
+        self.tasks_ended = 0
+        self.tasks_succeeded = 0
+        self.tasks_failed: dict[str, int] = {}
+        self.by_priority: dict[str, list[int]] = {}
+        self.requests = 0
+        self.requests_completed = 0
+        self.rejections: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
+        self.attributed_usd = 0.0
+        self.attributed_gpu_s = 0.0
+        self.wasted_usd = 0.0
+        self.successful_usd = 0.0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_usd = 0.0
+        self.ttft = LatencySketch()
+        self.tpot = LatencySketch()
+        self.e2e = LatencySketch()
+        self.queue = LatencySketch()
+        self.slo_met = 0
+        self.slo_ttft_met = 0
+        self.slo_tpot_met = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.upper_bound_tokens = 0
+        self._seen: set[int] = set()
+        self.timeline: list[FleetSample] = []
+        self.first_arrival: float | None = None
+        self.end_time = 0.0
+        self.events = 0
+
+    def _push(self, at: float, kind: int, obj: Any, late: int = 0) -> None:
+        heapq.heappush(self._heap, (at, late, next(self._order), kind, obj))
+
+    def _pull_task(self) -> None:
+        task = next(self._tasks, None)
+        self._next_task = task
+        if task is not None:
+            self._push(task.arrival_s, _ARRIVAL, task)
+
+    def _work_left(self) -> bool:
+        return self._next_task is not None or self.active_tasks > 0
+
+
+def _mesh_config() -> MeshConfig:
+    """The mesh's configuration: GPU prices, the KV transfer price and the task timeout."""
+    from services.mesh.config import load_config
+
+    return load_config()
