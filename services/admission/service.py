@@ -1,11 +1,10 @@
 """Admission: for every prepared request, admit it now, defer it (a bounded wait), or reject it
 early with a reason (policy.py decides; this is the shell).
 
-- Quotas are shared by the replicas: each tenant's `TenantUsage` (bucket levels, concurrency
-  leases) is one entry of the ADMISSION_QUOTAS KV bucket, charged with compare-and-set (read,
-  charge, update at the revision read; another replica's write in between means read again).
-  A lease goes back when the request ends: every replica hears the completions (core NATS) and
-  removes the lease the same way; a lost event is covered by the lease's lapse.
+- Quotas are shared by the replicas through the ADMISSION_QUOTAS KV bucket, charged with
+  compare-and-set (shared_quota.py). A concurrency lease goes back when the request ends: every
+  replica hears the completions (core NATS) and removes the lease the same way; a lost event is
+  covered by the lease's lapse.
 - The fleet's view is the router's: the WORKERS heartbeats (saturation, and `earliest_ttft` for
   deadline feasibility, with the prefix cache from the workers' KV events), refreshed every
   `REFRESH_S`, corrected by the admissions (every replica's, heard on ``rmesh.admitted.*``) and
@@ -32,8 +31,6 @@ from typing import Any, ClassVar
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.routing import BaseRoute
@@ -69,30 +66,23 @@ from services.admission.policy import (
     Decision,
     Defer,
     Prediction,
-    QuotaLease,
     Reject,
     TenantQuota,
-    TenantUsage,
-    charge_quota,
     drain,
     expire,
     fleet_load,
-    leasable,
-    lease_slice,
     next_due,
     note_admitted,
     note_finished,
     observe_fleet,
     offer,
     prediction,
-    release_quota,
-    return_lease,
     saturation,
-    take_lease,
     take_outcomes,
     validate,
     workflow_standing,
 )
+from services.admission.shared_quota import SharedQuota
 from services.mesh.config import TenantConfig, admission_messages_held
 from services.mesh.consumer import Delivery
 from services.mesh.heartbeat_watch import HeartbeatWatch
@@ -125,25 +115,14 @@ WAITED = Histogram(
     ["outcome"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60),
 )
-QUOTA_CONFLICTS = Counter(
-    "ripplemesh_admission_quota_conflicts_total",
-    "Compare-and-set conflicts on the shared quota state (another replica wrote first).",
-)
-
 HTTP_STATUS = {"quota": 429, "capacity": 503, "deadline": 503, "invalid": 400, "no_workers": 503}
 STANDING = {CONTINUATION: "continuation", DOOMED: "doomed"}
 # The fleet's view is recomputed this often from the latest heartbeats; admissions and
 # completions of the last heartbeat interval are not in the heartbeats yet.
 REFRESH_S = 0.5
 HEARTBEAT_S = 1.0
-CAS_ATTEMPTS = 8
-# A replica leases this many seconds of a tenant's rates at a time (see QuotaLease), and gives
-# back what it holds once the tenant has sent it nothing for LEASE_IDLE_S.
-LEASE_S = 0.2
-LEASE_IDLE_S = 1.0
 OWN_IDS_KEPT = 20_000
 
-_usage_decoder = msgspec.json.Decoder(TenantUsage)
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _encoder = msgspec.json.Encoder()
 
@@ -181,15 +160,7 @@ class AdmissionService:
         self.kv_sync: KvSync | None = None
         self.workflow_spend: WorkflowSpendView | None = None
         self._quotas: dict[str, TenantQuota] = {}
-        self._quota_kv: KeyValue | None = None
-        # tenant -> (revision, value) of its quota entry as last read or written.
-        self._usage: dict[str, tuple[int, bytes]] = {}
-        # One charge at a time per tenant in this replica: its own handlers never race each other
-        # for the entry (compare-and-set settles the races between replicas).
-        self._tenant_locks: dict[str, asyncio.Lock] = {}
-        # tenant -> this replica's lease of its buckets (tenants without a concurrency cap).
-        self._leases: dict[str, QuotaLease] = {}
-        self._topping_up: set[str] = set()
+        self.quota: SharedQuota | None = None
         self._waiters: dict[str, asyncio.Future[Admit | Reject]] = {}
         self._requests: dict[str, InferenceRequest] = {}  # deferred (and being decided)
         self._wake = asyncio.Event()
@@ -207,7 +178,9 @@ class AdmissionService:
         self.limits = config.admission.limits()
         self._quotas = {name: tenant_quota(t) for name, t in config.tenants.items()}
         self._shapes = {m.name: m.shape for m in config.models}
-        self._quota_kv = await runtime.bus.key_value(ADMISSION_QUOTAS)
+        self.quota = SharedQuota(
+            await runtime.bus.key_value(ADMISSION_QUOTAS), self._quotas, self.limits, runtime.spawn
+        )
         self.kv_index = KvIndex(config.block_size)
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
         runtime.spawn(self.kv_sync.run(), "kv-sync")
@@ -224,7 +197,7 @@ class AdmissionService:
         ]
         runtime.spawn(self._refresh_loop(), "admission-refresh")
         runtime.spawn(self._drain_loop(), "admission-drain")
-        runtime.spawn(self._lease_loop(), "admission-leases")
+        runtime.spawn(self.quota.lease_loop(), "admission-leases")
         # Deferred requests hold their messages: room for a full queue and the requests in hand.
         # The consumer's max_ack_pending bounds all replicas together (config validation checks
         # one replica's share; a replica cannot see how many others run).
@@ -248,9 +221,8 @@ class AdmissionService:
         for subscription in self._subscriptions:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
-        for tenant in list(self._leases):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._return_lease(tenant), timeout=2.0)
+        if self.quota is not None:
+            await self.quota.return_all()
 
     def routes(self) -> list[BaseRoute]:
         return []
@@ -259,7 +231,7 @@ class AdmissionService:
         fleet = self.state.fleet
         return {
             "replica": self.replica_id,
-            "tenants_tracked": len(self._usage),
+            "tenants_tracked": self.quota.tenants_tracked if self.quota else 0,
             "deferred": len(self.state.deferred),
             "workers": fleet.workers if fleet is not None else 0,
             # None while no live worker is known (saturation is infinite then).
@@ -333,7 +305,8 @@ class AdmissionService:
         quota = self._quotas.get(event.tenant)
         if quota is not None and quota.max_concurrency is not None:
             try:
-                await self._release(event.tenant, event.request_id)
+                assert self.quota is not None
+                await self.quota.release(event.tenant, event.request_id)
             except Exception as exc:  # the lease lapses instead
                 log.warning("lease not released", extra={"request_id": event.request_id, "error": repr(exc)})
 
@@ -381,7 +354,8 @@ class AdmissionService:
         # outage held back (admission restarting, a NATS node lost) and releases at once is
         # charged as it arrived, not as a burst of the tenant's. Never later than now, so a
         # client's clock cannot buy refill.
-        rejected = await self._charge(admission, quota, min(now, request.submitted_at))
+        assert self.quota is not None
+        rejected = await self.quota.charge(admission, quota, min(now, request.submitted_at))
         if rejected is not None:
             return rejected
         if self.limits.control == "rate_limit":
@@ -473,7 +447,8 @@ class AdmissionService:
         if isinstance(decision, Reject):
             DECISIONS.labels(request.tenant, "reject", decision.reason).inc()
             trace.get_current_span().set_attribute("ripple.admission.reason", decision.reason)
-            await self._give_back(admission)
+            assert self.quota is not None
+            await self.quota.give_back(admission)
             await self._reject(event, decision)
             return
         DECISIONS.labels(request.tenant, "admit", decision.reason).inc()
@@ -553,167 +528,3 @@ class AdmissionService:
             http_status=HTTP_STATUS[decision.reason],
             retry_after_s=decision.retry_after_s,
         )
-
-    # ------------------------------------------------------------ shared quota state
-
-    async def _read_usage(self, tenant: str) -> tuple[int | None, bytes | None]:
-        assert self._quota_kv is not None
-        try:
-            entry = await self._quota_kv.get(tenant)
-        except (KeyNotFoundError, KeyDeletedError):
-            return None, None
-        if entry.value is None or entry.revision is None:
-            return None, None
-        return entry.revision, entry.value
-
-    async def _write_usage(self, tenant: str, revision: int | None, value: bytes) -> bool:
-        """Compare-and-set: False when another replica wrote since `revision`."""
-        assert self._quota_kv is not None
-        try:
-            if revision is None:
-                written = await self._quota_kv.create(tenant, value)
-            else:
-                written = await self._quota_kv.update(tenant, value, last=revision)
-        except KeyWrongLastSequenceError:
-            QUOTA_CONFLICTS.inc()
-            self._usage.pop(tenant, None)
-            return False
-        self._usage[tenant] = (written, value)
-        return True
-
-    def _decoded(self, value: bytes | None) -> TenantUsage:
-        if value is None:
-            return TenantUsage()
-        try:
-            return _usage_decoder.decode(value)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("bad quota state replaced", extra={"error": str(exc)})
-            return TenantUsage()
-
-    async def _charge(self, admission: AdmissionRequest, quota: TenantQuota, now: float) -> Reject | None:
-        """The tenant's shared buckets and leases, charged with compare-and-set; for a tenant
-        without a concurrency cap, charged to this replica's lease of its buckets."""
-        tenant = admission.tenant
-        if leasable(quota):
-            lease = self._leases.get(tenant)
-            if lease is None or not lease.spend(admission, now):
-                async with self._lock(tenant):
-                    lease = self._leases.setdefault(tenant, QuotaLease())
-                    if not lease.spend(admission, now):
-                        rejected = await self._take_lease(admission, quota, now)
-                        if rejected is not None:
-                            return rejected
-                        spent = lease.spend(admission, now)
-                        assert spent, "a lease taken for a request holds what it asks"
-            if lease.running_low(lease_slice(quota, LEASE_S)) and tenant not in self._topping_up:
-                self._topping_up.add(tenant)
-                assert self.runtime is not None
-                self.runtime.spawn(self._top_up(admission, quota), f"lease-{tenant}")
-            return None
-        async with self._lock(tenant):
-            return await self._charge_locked(admission, quota, now)
-
-    async def _take_lease(self, admission: AdmissionRequest, quota: TenantQuota, now: float) -> Reject | None:
-        """Take a slice of the tenant's shared buckets into its lease (compare-and-set, locked):
-        at least what `admission` asks, or the quota's rejection."""
-        tenant = admission.tenant
-        want = lease_slice(quota, LEASE_S)
-        for _ in range(CAS_ATTEMPTS):
-            cached = self._usage.get(tenant)
-            revision, value = cached if cached is not None else await self._read_usage(tenant)
-            usage = self._decoded(value)
-            taken = take_lease(usage, quota, admission, want, now)
-            if isinstance(taken, Reject):
-                return taken
-            if await self._write_usage(tenant, revision, _encoder.encode(usage)):
-                self._leases.setdefault(tenant, QuotaLease()).add(taken)
-                return None
-        return Reject("capacity", f"tenant {tenant!r}'s quota state is contended; try again", 0.5)
-
-    async def _top_up(self, admission: AdmissionRequest, quota: TenantQuota) -> None:
-        """In the background, before the lease runs out: another slice (nothing if none is left)."""
-        try:
-            async with self._lock(admission.tenant):
-                lease = self._leases.get(admission.tenant)
-                if lease is not None and lease.running_low(lease_slice(quota, LEASE_S)):
-                    await self._take_lease(admission, quota, time.time())
-        except Exception as exc:  # the next request takes its slice on its own path
-            log.warning("quota lease not topped up", extra={"tenant": admission.tenant, "error": repr(exc)})
-        finally:
-            self._topping_up.discard(admission.tenant)
-
-    async def _return_lease(self, tenant: str) -> None:
-        """Give the lease's unspent remainder back to the tenant's shared buckets."""
-        quota = self._quotas.get(tenant)
-        async with self._lock(tenant):
-            lease = self._leases.pop(tenant, None)
-            if lease is None or quota is None or not any(lease.amounts.values()):
-                return
-            amounts = lease.take_all()
-            for _ in range(CAS_ATTEMPTS):
-                cached = self._usage.get(tenant)
-                revision, value = cached if cached is not None else await self._read_usage(tenant)
-                usage = self._decoded(value)
-                return_lease(usage, quota, amounts, time.time())
-                if await self._write_usage(tenant, revision, _encoder.encode(usage)):
-                    return
-
-    async def _lease_loop(self) -> None:
-        """Leases of tenants that went quiet go back, so other replicas can use them."""
-        while True:
-            await asyncio.sleep(LEASE_IDLE_S / 2)
-            now = time.time()
-            for tenant, lease in list(self._leases.items()):
-                if now - lease.spent_at >= LEASE_IDLE_S and tenant not in self._topping_up:
-                    try:
-                        await self._return_lease(tenant)
-                    except Exception as exc:  # kept as consumed: the quota errs on the strict side
-                        log.warning("quota lease not returned", extra={"tenant": tenant, "error": repr(exc)})
-
-    def _lock(self, tenant: str) -> asyncio.Lock:
-        lock = self._tenant_locks.get(tenant)
-        if lock is None:
-            lock = self._tenant_locks[tenant] = asyncio.Lock()
-        return lock
-
-    async def _charge_locked(
-        self, admission: AdmissionRequest, quota: TenantQuota, now: float
-    ) -> Reject | None:
-        tenant = admission.tenant
-        for _ in range(CAS_ATTEMPTS):
-            cached = self._usage.get(tenant)
-            revision, value = cached if cached is not None else await self._read_usage(tenant)
-            usage = self._decoded(value)
-            rejected = charge_quota(usage, quota, admission, self.limits, now)
-            if rejected is not None:
-                return rejected
-            if await self._write_usage(tenant, revision, _encoder.encode(usage)):
-                return None
-        return Reject("capacity", f"tenant {tenant!r}'s quota state is contended; try again", 0.5)
-
-    async def _release(self, tenant: str, request_id: str) -> None:
-        """Give a request's concurrency lease back (compare-and-set; nothing when it holds none)."""
-        async with self._lock(tenant):
-            await self._release_locked(tenant, request_id)
-
-    async def _release_locked(self, tenant: str, request_id: str) -> None:
-        for _ in range(CAS_ATTEMPTS):
-            cached = self._usage.get(tenant)
-            revision, value = cached if cached is not None else await self._read_usage(tenant)
-            usage = self._decoded(value)
-            if not release_quota(usage, request_id):
-                if cached is None:
-                    return
-                self._usage.pop(tenant, None)  # our copy may be stale: look again
-                continue
-            if await self._write_usage(tenant, revision, _encoder.encode(usage)):
-                return
-
-    async def _give_back(self, admission: AdmissionRequest) -> None:
-        quota = self._quotas.get(admission.tenant)
-        if quota is None or quota.max_concurrency is None:
-            return
-        try:
-            await self._release(admission.tenant, admission.request_id)
-        except Exception as exc:  # the lease lapses instead
-            log.warning("lease not released", extra={"request_id": admission.request_id, "error": repr(exc)})
