@@ -112,7 +112,7 @@ class Mesh:
     nats_children: list[Child] = field(default_factory=list)
 
     def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
-        port = http_port or free_port()
+        port = http_port or self._unassigned_port()
         args = [
             sys.executable,
             "-m",
@@ -134,6 +134,14 @@ class Mesh:
         if self.config_path is not None:
             args += ["--config", str(self.config_path)]
         return Child(name, args, port, self.data_dir / "logs" / f"{name}.log")
+
+    def _unassigned_port(self) -> int:
+        """A free port no other child has been given: the children bind theirs only once
+        started, so the OS may offer one port twice meanwhile."""
+        taken = {self.http_port, *(c.http_port for c in self.children)}
+        while (port := free_port()) in taken:
+            pass
+        return port
 
     @property
     def replicas(self) -> int:
@@ -199,7 +207,7 @@ class Mesh:
         engine = ["--engine", self.engine, "--gpu", self.gpu, "--time-scale", str(self.time_scale)]
         if self.model_path:
             engine += ["--model-path", self.model_path]
-        children = []
+        children = self.children = []  # filled as planned, so that no two children share a port
         for i in range(self.decode):
             children.append(self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine))
         for i in range(self.prefill):
