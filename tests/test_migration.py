@@ -28,6 +28,7 @@ from ripplemesh.client import MeshClient
 from ripplemesh.launcher import Mesh
 from ripplemesh.traces import load_request_trace
 from schemas.events import (
+    InferenceRequest,
     PrefillWork,
     StreamFailed,
     StreamFinished,
@@ -82,6 +83,20 @@ async def nc(fleet: Mesh) -> AsyncIterator[NatsClient]:
     connection = await nats.connect(fleet.url, **fleet.connect_options())  # type: ignore[arg-type]
     yield connection
     await connection.drain()
+
+
+def prepared(mesh: Mesh, request_id: str, prompt: str, *, max_tokens: int) -> InferenceRequest:
+    """A request as ingress prepares it, for a test that places its work by hand."""
+    client = ClientRequest(
+        request_id=request_id,
+        tenant="acme",
+        model="llama-3-8b",
+        api="nats",
+        prompt=prompt,
+        messages=None,
+        max_tokens=max_tokens,
+    )
+    return prepare(client, load_config(mesh.config_path), time.time())
 
 
 def health(mesh: Mesh, name: str) -> dict[str, Any]:
@@ -339,7 +354,6 @@ async def test_killed_decode_worker_the_http_client_gets_one_whole_stream(
 async def test_killed_prefill_worker_its_request_is_placed_again(
     fleet: Mesh, client: MeshClient, nc: NatsClient
 ) -> None:
-    config = load_config(fleet.config_path)
     prompt = " ".join(["the"] * 1500)  # 1500 tokens
     prefill = fleet.child("prefill-0")
     normal = list(prefill.args)
@@ -350,19 +364,7 @@ async def test_killed_prefill_worker_its_request_is_placed_again(
     try:
         # The router's policy may serve a request aggregated on a decode worker; this one is
         # placed on the prefill worker as the router places disaggregated work.
-        request = prepare(
-            ClientRequest(
-                request_id="killed-prefill",
-                tenant="acme",
-                model="llama-3-8b",
-                api="nats",
-                prompt=prompt,
-                messages=None,
-                max_tokens=30,
-            ),
-            config,
-            time.time(),
-        )
+        request = prepared(fleet, "killed-prefill", prompt, max_tokens=30)
         work = PrefillWork(
             event_id=new_event_id(),
             occurred_at=time.time(),
@@ -399,21 +401,8 @@ async def test_a_worker_lost_between_its_streams_end_and_its_report_is_reported_
     """The client's stream ended but the worker died before it told the ledger: the take-over
     publishes the completion the worker would have (its event id, the stream's usage, no GPU
     time), so the ledger counts the request completed, once."""
-    config = load_config(fleet.config_path)
     rid = "ended-unreported"
-    request = prepare(
-        ClientRequest(
-            request_id=rid,
-            tenant="acme",
-            model="llama-3-8b",
-            api="nats",
-            prompt=PROMPT,
-            messages=None,
-            max_tokens=2,
-        ),
-        config,
-        time.time(),
-    )
+    request = prepared(fleet, rid, PROMPT, max_tokens=2)
     # Aggregated on a worker that is gone: its work still on its subject, its stream complete.
     work = PrefillWork(
         event_id=new_event_id(),

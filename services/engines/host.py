@@ -26,7 +26,6 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge
 
 from schemas.events import (
-    DecodeCompleted,
     InferenceRequest,
     KvCacheChange,
     KvDump,
@@ -55,6 +54,7 @@ from schemas.subjects import (
 from services.engines.base import Engine, EngineError, PrefillResult
 from services.engines.lifecycle import WorkerLifecycle
 from services.mesh import kv_dump
+from services.mesh.completion import decode_completed, sent_at
 from services.mesh.resumption import first_seq, output_before, prompt_proper
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import REQUEST_ID, LateSpan, tracer
@@ -71,10 +71,6 @@ TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["wo
 GPU_SECONDS = Counter("ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"])
 KV_USED = Gauge("ripplemesh_worker_kv_blocks_used", "KV blocks in use.", ["worker"])
 RUNNING = Gauge("ripplemesh_worker_running", "Sequences decoding.", ["worker"])
-
-
-class _Sent(msgspec.Struct):
-    occurred_at: float = 0.0
 
 
 class EngineHost:
@@ -161,11 +157,7 @@ class EngineHost:
                 )
             except NotFoundError:
                 continue
-            try:
-                sent = msgspec.json.decode(raw.data or b"", type=_Sent).occurred_at
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                sent = 0.0
-            if sent < self.started_at:
+            if sent_at(raw.data) < self.started_at:
                 return True
         return False
 
@@ -470,22 +462,16 @@ class EngineHost:
         )
         await self.runtime.bus.publish(
             event_subject("decode_completed"),
-            DecodeCompleted(
-                event_id=derived_event_id(source_event_id, "decode_completed"),
-                occurred_at=now,
-                request_id=request.request_id,
-                tenant=request.tenant,
-                workflow_id=request.workflow.workflow_id if request.workflow else None,
+            decode_completed(
+                request,
+                source_event_id,
+                now=now,
                 worker_id=self.worker_id,
                 gpu_type=self.engine.info.gpu_type,
                 gpu_seconds=decode_gpu_s,
                 kv_transfer_bytes=kv_transfer_bytes,
                 usage=usage,
                 finish_reason=finish_reason,
-                latency_s=max(0.0, now - request.submitted_at),
-                workflow_step=request.workflow.step if request.workflow else None,
-                workflow_steps=request.workflow.steps if request.workflow else None,
-                deadline_at=request.deadline_at,
             ),
         )
 

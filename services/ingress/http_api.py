@@ -367,7 +367,6 @@ class HttpApi(ServicePart):
     async def _sse(self, choices: list[Choice], include_usage: bool) -> AsyncIterator[bytes]:
         try:
             async for choice, event in merged(choices):
-                choice.saw(event)
                 if isinstance(event, TokenChunk):
                     for chunk in choice.shape.chunks(event.text, event.logprobs):
                         yield sse_event(chunk)
@@ -390,7 +389,6 @@ class HttpApi(ServicePart):
     async def _collect(self, choices: list[Choice]) -> Response:
         try:
             async for choice, event in merged(choices):
-                choice.saw(event)
                 if isinstance(event, TokenChunk):
                     choice.parts.append(event.text)
                     choice.logprobs.extend(event.logprobs or ())

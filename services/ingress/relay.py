@@ -37,9 +37,11 @@ class Choice:
 
 
 async def _events_of(choice: Choice) -> AsyncIterator[TokenEvent | None]:
-    """The choice's events from its first, then None if its stream ended without a final one."""
+    """The choice's events from its first (each noted on the choice: `saw`), then None if its
+    stream ended without a final one."""
     event = choice.first
     while event is not None:
+        choice.saw(event)
         yield event
         if isinstance(event, StreamFinished | StreamFailed):
             return

@@ -53,7 +53,6 @@ from prometheus_client import Counter, Histogram
 
 from schemas.events import (
     DeadLetter,
-    DecodeCompleted,
     DecodeWork,
     PrefillWork,
     RequestAdmitted,
@@ -81,6 +80,7 @@ from schemas.subjects import (
     tokens_subject,
     work_subject,
 )
+from services.mesh.completion import decode_completed, sent_at
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.runtime import Runtime
 from services.mesh.token_stream import stored_events
@@ -121,18 +121,6 @@ DETECTION = Histogram(
 _work_decoder: msgspec.json.Decoder[WorkItem] = msgspec.json.Decoder(WorkItem)
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _cancel_decoder = msgspec.json.Decoder(RequestCancelled)
-
-
-class _Sent(msgspec.Struct):
-    occurred_at: float = 0.0
-
-
-def _sent_at(raw: jsapi.RawStreamMsg) -> float:
-    """When a work message was sent (0 for one that does not say: taken over, dead-lettered)."""
-    try:
-        return msgspec.json.decode(raw.data or b"", type=_Sent).occurred_at
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return 0.0
 
 
 _REASON_TEXT: dict[GoneReason, str] = {"worker_lost": "was lost", "worker_drained": "was drained"}
@@ -338,7 +326,7 @@ class Migrator:
                     except NotFoundError:
                         break
                     seq = (raw.seq or seq) + 1
-                    if before is not None and _sent_at(raw) >= before:
+                    if before is not None and sent_at(raw.data) >= before:
                         break  # the new incarnation's work, and all after it on the subject
                     found.append((phase, raw))
             if found:
@@ -481,26 +469,18 @@ class Migrator:
         prefill (the decode side of a hand-off reports its own)."""
         if isinstance(item, PrefillWork) and item.prefill_worker != item.decode_worker:
             return
-        request = item.request
-        workflow = request.workflow
         await self.runtime.bus.publish(
             event_subject("decode_completed"),
-            DecodeCompleted(
-                event_id=derived_event_id(item.event_id, "decode_completed"),
-                occurred_at=now,
-                request_id=request.request_id,
-                tenant=request.tenant,
-                workflow_id=workflow.workflow_id if workflow else None,
+            decode_completed(
+                item.request,
+                item.event_id,
+                now=now,
                 worker_id=worker_id,
                 gpu_type=self._gpu_types.get(worker_id, "unknown"),
                 gpu_seconds=0.0,
                 kv_transfer_bytes=item.kv.kv_bytes if isinstance(item, DecodeWork) else 0,
                 usage=usage,
                 finish_reason=finish_reason,
-                latency_s=max(0.0, now - request.submitted_at),
-                workflow_step=workflow.step if workflow else None,
-                workflow_steps=workflow.steps if workflow else None,
-                deadline_at=request.deadline_at,
             ),
         )
 

@@ -618,6 +618,7 @@ class SimEngine:
             chosen = other_logprob = -math.log(len(self._words))
             index = self._word_index(seq.seed, position)
             others = [self._words[(index + 1 + j) % len(self._words)] for j in range(max(0, k - 1))]
-        top = [TokenAlternative(token_id=token, token=decode([token]), logprob=chosen)] if k else []
+        text = decode([token])
+        top = [TokenAlternative(token_id=token, token=text, logprob=chosen)] if k else []
         top += [TokenAlternative(token_id=w, token=decode([w]), logprob=other_logprob) for w in others]
-        return TokenLogprob(token_id=token, token=decode([token]), logprob=chosen, top=top)
+        return TokenLogprob(token_id=token, token=text, logprob=chosen, top=top)
