@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -34,6 +35,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from ripplemesh.supervision import ChildHistory, GiveUp, RestartPolicy, on_exit
+from schemas.events import PoolMembers
 from services.mesh.bus import nats_servers
 from services.mesh.config import load_config
 from services.mesh.embedded_nats import EmbeddedNats, free_port
@@ -42,7 +44,15 @@ from services.mesh.nats_auth import NatsAuth, NatsCredentials, auth_for_config, 
 SERVICES_IN_ORDER = ("ledger", "autoscaler", "router", "admission", "ingress")
 
 
-ChildState = Literal["running", "starting", "restarting", "gave_up"]
+# pending: asked for by the autoscaler, started at the next `tend`; retiring: drained by it, let
+# go (not restarted) once it exits.
+ChildState = Literal["pending", "running", "starting", "restarting", "gave_up", "retiring"]
+WORKER_ROLES = ("prefill", "decode")
+# `up --autoscale` with the sim engine: a worker serves about this long after its start.
+SIM_STARTUP_S = 5.0
+REAL_STARTUP_S = 60.0
+# A retiring worker not gone this long after its drain order is stopped (SIGTERM), then killed.
+RETIRE_WAIT_S = 60.0
 
 
 @dataclass
@@ -63,6 +73,8 @@ class Child:
     history: ChildHistory = field(default_factory=ChildHistory)
     # How to start it again, for a child that is not a `ripplemesh run` (an embedded NATS node).
     respawn: Callable[[], subprocess.Popen[bytes]] | None = None
+    pool: str | None = None  # a worker's: <role>-<gpu>
+    retire_at: float | None = None  # retiring: stopped if not gone by then
 
     @property
     def url(self) -> str:
@@ -110,6 +122,14 @@ class Mesh:
     stopping: bool = False
     # The embedded NATS nodes, supervised as children are (stopped with NATS, not with them).
     nats_children: list[Child] = field(default_factory=list)
+    # `up --autoscale`: the autoscaler acts through this supervisor (launcher_control.py),
+    # sizing each worker pool within these bounds.
+    autoscale: bool = False
+    autoscale_min: int = 0
+    autoscale_max: int = 4
+    control: Any = None
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _next_worker: dict[str, int] = field(default_factory=dict)
 
     def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
         port = http_port or self._unassigned_port()
@@ -203,21 +223,35 @@ class Mesh:
             raise RuntimeError("NATS not started")
         return self.nats.url
 
-    def plan(self) -> list[Child]:
-        engine = ["--engine", self.engine, "--gpu", self.gpu, "--time-scale", str(self.time_scale)]
+    def _engine_args(self, gpu: str | None = None) -> list[str]:
+        engine = ["--engine", self.engine, "--gpu", gpu or self.gpu, "--time-scale", str(self.time_scale)]
         if self.model_path:
             engine += ["--model-path", self.model_path]
+        return engine
+
+    def _worker(self, role: str, *extra: str, gpu: str | None = None) -> Child:
+        index = self._next_worker.get(role, 0)
+        self._next_worker[role] = index + 1
+        name = f"{role}-{index}"
+        child = self._child(name, role, "--worker-id", name, *self._engine_args(gpu), *extra)
+        child.pool = f"{role}-{gpu or self.gpu}"
+        return child
+
+    def plan(self) -> list[Child]:
         children = self.children = []  # filled as planned, so that no two children share a port
-        for i in range(self.decode):
-            children.append(self._child(f"decode-{i}", "decode", "--worker-id", f"decode-{i}", *engine))
-        for i in range(self.prefill):
-            children.append(self._child(f"prefill-{i}", "prefill", "--worker-id", f"prefill-{i}", *engine))
+        self._next_worker = {}
+        for _ in range(self.decode):
+            children.append(self._worker("decode"))
+        for _ in range(self.prefill):
+            children.append(self._worker("prefill"))
         for name in SERVICES_IN_ORDER:
             if name == "ingress" and self.ingress > 1:
                 for i in range(self.ingress):
                     children.append(self._child(f"ingress-{i}", name, "--shared-port", str(self.http_port)))
                 continue
             extra = ["--database-url", self.database_url] if name == "ledger" and self.database_url else []
+            if name == "autoscaler" and self.autoscale:
+                extra = ["--actuator", "launcher"]
             port = self.http_port if name == "ingress" else None
             children.append(self._child(name, name, *extra, http_port=port))
         return children
@@ -231,6 +265,11 @@ class Mesh:
             for child in self.children:
                 self._spawn(child)
             self.wait_ready(ready_timeout_s)
+            if self.autoscale:
+                from ripplemesh.launcher_control import LauncherControl
+
+                self.control = LauncherControl(self)
+                self.control.start()
             self._write_status()
         except BaseException:
             self.stop()
@@ -273,11 +312,28 @@ class Mesh:
         (lines for the console). Nothing while the mesh is stopping."""
         if self.stopping:
             return []
-        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._tend(time.monotonic() if now is None else now)
+
+    def _tend(self, now: float) -> list[str]:
         said: list[str] = []
         for child in [*self.nats_children, *self.children]:
             process = child.process
-            if child.state in ("running", "starting") and process is not None and process.poll() is not None:
+            if child.state == "pending":
+                # Spawned here, on the main thread: Linux ends a child when the thread that
+                # started it ends (PR_SET_PDEATHSIG), and this one lasts as long as `up`.
+                self._spawn(child)
+                child.state = "starting"
+                said.append(f"{child.name} started by the autoscaler")
+            elif child.state == "retiring":
+                if process is None or process.poll() is not None:
+                    self.children.remove(child)
+                    said.append(f"{child.name} drained and stopped (scale-down)")
+                elif child.retire_at is not None and now > child.retire_at:
+                    process.send_signal(signal.SIGTERM if now < child.retire_at + 20 else signal.SIGKILL)
+            elif (
+                child.state in ("running", "starting") and process is not None and process.poll() is not None
+            ):
                 child.exited_at = child.exited_at if child.state == "starting" else now
                 child.last_returncode = process.returncode
                 decision = on_exit(self.restart_policy, child.history, now, now - child.started_at)
@@ -307,6 +363,73 @@ class Mesh:
         if said:
             self._write_status()
         return said
+
+    # ------------------------------------------------------------ `up --autoscale`
+
+    def pools(self) -> dict[str, str]:
+        """The worker pools this supervisor runs, and each one's role."""
+        roles = ["decode", "prefill"] if self.prefill > 0 else ["decode"]
+        return {f"{role}-{self.gpu}": role for role in roles}
+
+    def add_workers(
+        self, pool: str, count: int, decision_id: str = "", traceparent: str | None = None
+    ) -> list[str]:
+        """Workers for `pool`, started at the next `tend`; a pool it does not run, or one past
+        its maximum, is refused (ValueError)."""
+        with self._lock:
+            role = self.pools().get(pool)
+            if role is None:
+                raise ValueError(f"no pool {pool!r} here; this mesh runs {', '.join(self.pools())}")
+            if len(self._members(pool)) + count > self.autoscale_max:
+                raise ValueError(f"pool {pool} would exceed its maximum of {self.autoscale_max} workers")
+            extra = ["--scaling-decision", decision_id] if decision_id else []
+            if traceparent:
+                extra += ["--scaling-traceparent", traceparent]
+            added = []
+            first_service = next(
+                (i for i, c in enumerate(self.children) if c.pool is None), len(self.children)
+            )
+            for _ in range(count):
+                child = self._worker(role, *extra)
+                child.state = "pending"
+                self.children.insert(first_service, child)  # stopped after the services, as at start
+                added.append(child.name)
+            return added
+
+    def retire_workers(self, pool: str, worker_ids: list[str]) -> list[str]:
+        """Mark the named workers of `pool` retiring (the caller sends their drain order);
+        those not running here are skipped. Those marked."""
+        with self._lock:
+            marked = []
+            for child in self._members(pool):
+                if child.name in worker_ids and child.state in ("running", "starting", "pending"):
+                    if child.state == "pending":
+                        self.children.remove(child)
+                        continue
+                    child.state = "retiring"
+                    child.retire_at = time.monotonic() + RETIRE_WAIT_S
+                    marked.append(child.name)
+            return marked
+
+    def _members(self, pool: str) -> list[Child]:
+        return [c for c in self.children if c.pool == pool and c.state != "gave_up"]
+
+    def fleet(self) -> list[PoolMembers]:
+        with self._lock:
+            startup = SIM_STARTUP_S if self.engine == "sim" else REAL_STARTUP_S
+            model = load_config(self.config_path).models[0].name
+            return [
+                PoolMembers(
+                    pool=pool,
+                    replicas=[c.name for c in self._members(pool)],
+                    stopping=[c.name for c in self._members(pool) if c.state == "retiring"],
+                    model=model,
+                    min_replicas=self.autoscale_min,
+                    max_replicas=self.autoscale_max,
+                    startup_s=startup,
+                )
+                for pool in self.pools()
+            ]
 
     def status(self) -> dict[str, Any]:
         return {
@@ -374,6 +497,9 @@ class Mesh:
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every service (front door first), wait, then kill stragglers; then NATS."""
         self.stopping = True
+        if self.control is not None:
+            self.control.stop()
+            self.control = None
         for child in reversed(self.children):
             if child.process is not None and child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)

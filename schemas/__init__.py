@@ -7,6 +7,7 @@ JSON Schema and an AsyncAPI document are generated from these definitions
 """
 
 from schemas.events import (
+    CapacityWanted,
     ChatMessage,
     DeadLetter,
     DecodeCompleted,
@@ -19,7 +20,11 @@ from schemas.events import (
     KvDumpRequest,
     KvEvents,
     KvHandle,
+    LauncherFleet,
     LifecycleEvent,
+    ModelOutlook,
+    PoolMembers,
+    PoolPlan,
     PoolView,
     PrefillCompleted,
     PrefillWork,
@@ -31,6 +36,8 @@ from schemas.events import (
     RequestRouted,
     RouteDecision,
     RouteOption,
+    ScaleOrder,
+    ScalingDecision,
     StreamFailed,
     StreamFinished,
     SubmitRequest,
@@ -46,6 +53,7 @@ from schemas.events import (
 )
 
 __all__ = [
+    "CapacityWanted",
     "ChatMessage",
     "DeadLetter",
     "DecodeCompleted",
@@ -58,7 +66,11 @@ __all__ = [
     "KvDumpRequest",
     "KvEvents",
     "KvHandle",
+    "LauncherFleet",
     "LifecycleEvent",
+    "ModelOutlook",
+    "PoolMembers",
+    "PoolPlan",
     "PoolView",
     "PrefillCompleted",
     "PrefillWork",
@@ -70,6 +82,8 @@ __all__ = [
     "RequestRouted",
     "RouteDecision",
     "RouteOption",
+    "ScaleOrder",
+    "ScalingDecision",
     "StreamFailed",
     "StreamFinished",
     "SubmitRequest",

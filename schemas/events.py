@@ -530,9 +530,102 @@ class WorkStopped(Event, frozen=True, kw_only=True, tag="request.work_stopped.v1
 
 
 class FleetObserved(Event, frozen=True, kw_only=True, tag="fleet.observed.v1"):
-    """The autoscaler's view of every pool and the size it would choose for each."""
+    """The autoscaler's view of every pool and the size it would choose for each (superseded by
+    `ScalingDecision`, which says why and what was done; kept so recorded streams decode)."""
 
     pools: list[PoolView]
+
+
+class PoolPlan(Struct, frozen=True, kw_only=True):
+    """One pool in a `ScalingDecision`: as it is, what the plan does to it, and why."""
+
+    pool: str
+    model: str
+    role: WorkerRole
+    gpu_type: str
+    serving: NonNegativeInt
+    warming: NonNegativeInt
+    draining: NonNegativeInt
+    desired: NonNegativeInt
+    add: NonNegativeInt = 0
+    remove: list[str] = []  # the replicas drained, then stopped
+    # The predicted share of the pool's capacity at the SLO in use once the plan is done (-1:
+    # a load with no replica to carry it).
+    utilisation: float
+    cost_per_hour: NonNegativeFloat
+    reason: str
+
+
+class ModelOutlook(Struct, frozen=True, kw_only=True):
+    """What a `ScalingDecision` planned one model's pools for: the observed and forecast traffic."""
+
+    model: str
+    observed_rate: NonNegativeFloat  # requests per second in the last window
+    forecast_rate: NonNegativeFloat  # at `horizon_s` ahead (a replica started now is ready then)
+    horizon_s: NonNegativeFloat
+    mean_prompt: NonNegativeFloat
+    mean_output: NonNegativeFloat
+    hit_rate: NonNegativeFloat
+    prefill_load: NonNegativeFloat  # uncached prompt tokens per second planned for
+    decode_load: NonNegativeFloat  # output tokens per second planned for
+    ttft_p90_s: NonNegativeFloat | None = None
+    itl_p90_s: NonNegativeFloat | None = None
+    held: NonNegativeInt = 0
+
+
+class ScalingDecision(Event, frozen=True, kw_only=True, tag="autoscaler.decision.v1"):
+    """Every plan of the autoscaler: its inputs, each pool's decision with its reason, the
+    predicted effect (utilisation, $/hour), and whether it was acted on (`mode`). A worker
+    started by it names it (`WorkerState.scaling_decision`), and its spans link to this plan's."""
+
+    mode: Literal["act", "observe"]
+    trigger: Literal["interval", "held", "slo"]
+    pools: list[PoolPlan]
+    models: list[ModelOutlook]
+    cost_per_hour: NonNegativeFloat
+    budget_per_hour: NonNegativeFloat | None = None
+    failed: list[str] = []  # actions the platform failed: "pool: error"
+
+
+class CapacityWanted(Event, frozen=True, kw_only=True, tag="capacity.wanted.v1"):
+    """Admission holds requests for a model that has no live worker (scaled to zero, or every
+    worker lost): the autoscaler plans at once rather than at its next interval."""
+
+    model: str
+    held: NonNegativeInt
+    due_at: NonNegativeFloat | None = None  # the earliest held request's decision is due then
+
+
+class ScaleOrder(Event, frozen=True, kw_only=True, tag="autoscaler.scale.v1"):
+    """The autoscaler to the process supervisor of `ripplemesh up --autoscale` (core NATS request
+    on ``rmesh.control.launcher``): start `add` workers of `pool`, drain and stop `remove`. With
+    `add` 0 and no `remove`, only asks what runs. Answered with `LauncherFleet`."""
+
+    pool: str = ""
+    add: NonNegativeInt = 0
+    remove: list[str] = []
+    decision_id: str = ""
+    traceparent: str | None = None  # the plan's span: workers it starts link their spans to it
+
+
+class PoolMembers(Struct, frozen=True, kw_only=True):
+    pool: str
+    replicas: list[str]  # started, ready or not
+    stopping: list[str] = []  # draining, then gone
+    # The limits `up --autoscale` was given for the pool (the `[autoscaler]` config's pools,
+    # where it has them, come first), and what it serves.
+    model: str | None = None
+    min_replicas: NonNegativeInt | None = None
+    max_replicas: NonNegativeInt | None = None
+    startup_s: NonNegativeFloat | None = None
+
+
+class LauncherFleet(Event, frozen=True, kw_only=True, tag="launcher.fleet.v1"):
+    """What the supervisor of `ripplemesh up --autoscale` runs, per pool (the reply to a
+    `ScaleOrder`); `error` when it could not do what was asked."""
+
+    pools: list[PoolMembers]
+    error: str | None = None
 
 
 # ---------------------------------------------------------------- tokens (rmesh.tokens.<tenant>.<id>)
@@ -627,6 +720,8 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     # What its engine honours beyond plain generation (ENGINE_FEATURES): ingress refuses, with
     # a 400 naming the parameter, what no live worker of the model honours.
     features: list[str] = []
+    # The `ScalingDecision` that started this worker (None: started by hand or at launch).
+    scaling_decision: str | None = None
 
 
 # What an engine may honour beyond plain generation, as announced in `WorkerState.features`:
@@ -721,6 +816,8 @@ LifecycleEvent = (
     | RequestMigrated
     | WorkStopped
     | FleetObserved
+    | ScalingDecision
+    | CapacityWanted
 )
 TokenEvent = TokenChunk | StreamFinished | StreamFailed
 WorkItem = PrefillWork | DecodeWork
@@ -745,6 +842,10 @@ AnyEvent = (
     | RequestMigrated
     | WorkStopped
     | FleetObserved
+    | ScalingDecision
+    | CapacityWanted
+    | ScaleOrder
+    | LauncherFleet
     | TokenChunk
     | StreamFinished
     | StreamFailed

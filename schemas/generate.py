@@ -342,6 +342,19 @@ def channels() -> tuple[Channel, ...]:
             consumers="The worker it names.",
             core=True,
         ),
+        Channel(
+            id="launcherControl",
+            address=subjects.LAUNCHER_SUBJECT,
+            title="Process supervisor control",
+            description="Request/reply: `ripplemesh up --autoscale`'s supervisor starts workers of a "
+            "pool, or drains and stops the ones named (ScaleOrder), and answers with what it runs "
+            "(LauncherFleet).",
+            messages=(events.ScaleOrder, events.LauncherFleet),
+            parameters={},
+            publishers="The autoscaler (ScaleOrder); the supervisor answers (LauncherFleet).",
+            consumers="The supervisor of `ripplemesh up --autoscale`.",
+            core=True,
+        ),
     )
 
 

@@ -70,6 +70,10 @@ def control_subject(worker_id: str) -> str:
     return f"{PREFIX}.control.{worker_id}"
 
 
+# `ripplemesh up --autoscale`'s process supervisor: `ScaleOrder` in, `LauncherFleet` back.
+LAUNCHER_SUBJECT = f"{PREFIX}.control.launcher"
+
+
 def tenant_of(subject: str) -> str:
     """The tenant token of a request or token subject (``rmesh.req.<tenant>``...)."""
     parts = subject.split(".")
@@ -91,6 +95,8 @@ EVENT_KINDS: dict[str, str] = {
     "request.migrated.v1": "migrated",
     "request.work_stopped.v1": "work_stopped",
     "fleet.observed.v1": "fleet",
+    "autoscaler.decision.v1": "scaling",
+    "capacity.wanted.v1": "capacity",
 }
 
 

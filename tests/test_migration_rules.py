@@ -19,6 +19,7 @@ from schemas.events import (
     Usage,
 )
 from services.engines.base import RealClock
+from services.engines.host import HAND_BACK_TIMEOUT_S
 from services.engines.sim.engine import SimEngine
 from services.mesh.block_hash import chain_block_hashes
 from services.mesh.resumption import first_seq, output_before, prompt_proper
@@ -202,10 +203,26 @@ def test_liveness_a_worker_back_under_its_id_before_it_was_missed_has_its_predec
     assert life.verdicts(102.6).predecessors == [("w1", 101.5)]  # again every second, a while
     life.predecessor_scanned("w1", 102.6)
     assert life.verdicts(117.0).predecessors == [] and life.restarted == {}
-    # A worker first heard of with some start, or an older heartbeat replayed, is no restart.
-    life.heartbeat("w2", heartbeat_at=101.0, revision=4, draining=False, started_at=90.0)
+    # A worker first heard of long after its start, or an older heartbeat replayed, is no restart.
+    life.heartbeat("w2", heartbeat_at=101.0, revision=4, draining=False, started_at=80.0)
     life.heartbeat("w1", heartbeat_at=100.5, revision=1, draining=False, started_at=50.0)
     assert life.restarted == {}
+
+
+def test_liveness_a_router_just_started_scans_a_worker_that_just_started() -> None:
+    """A router restarted meanwhile never saw the worker's previous start: a worker first heard
+    of within the scan window of its start may have a predecessor's work left."""
+    life = Liveness()
+    life.heartbeat("w1", heartbeat_at=101.0, revision=1, draining=False, started_at=100.0)
+    assert life.verdicts(101.0).predecessors == [("w1", 100.0)]
+    life.predecessor_scanned("w1", 101.0)
+    life.heartbeat("w1", heartbeat_at=102.0, revision=2, draining=False, started_at=100.0)
+    assert life.verdicts(102.0).predecessors == [("w1", 100.0)]  # the same start: scanned again
+    life.predecessor_scanned("w1", 102.0)
+    # The window runs from the worker's start, shorter than it waits (HAND_BACK_TIMEOUT_S).
+    assert life.verdicts(100.0 + life.predecessor_scan_for_s + 1).predecessors == []
+    assert life.restarted == {}
+    assert life.predecessor_scan_for_s < HAND_BACK_TIMEOUT_S
 
 
 async def test_sim_engine_resumes_a_migrated_request_with_the_same_tokens() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from schemas import events, generate
 from schemas.events import (
+    CapacityWanted,
     ChatMessage,
     DeadLetter,
     DecodeCompleted,
@@ -19,6 +20,10 @@ from schemas.events import (
     FleetObserved,
     InferenceRequest,
     KvHandle,
+    LauncherFleet,
+    ModelOutlook,
+    PoolMembers,
+    PoolPlan,
     PoolView,
     PrefillCompleted,
     PrefillWork,
@@ -27,6 +32,8 @@ from schemas.events import (
     RequestPrepared,
     RequestRejected,
     RequestRouted,
+    ScaleOrder,
+    ScalingDecision,
     StreamFailed,
     StreamFinished,
     SubmitRequest,
@@ -103,6 +110,34 @@ WEATHER = events.ToolFunction(
     description="the weather in a city",
     parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 )
+PLAN_POOL = PoolPlan(
+    pool="decode-H100",
+    model="llama-3-8b",
+    role="decode",
+    gpu_type="H100",
+    serving=0,
+    warming=0,
+    draining=0,
+    desired=1,
+    add=1,
+    utilisation=0.2,
+    cost_per_hour=3.0,
+    reason="scale up 0 -> 1; from zero: 1 held",
+)
+OUTLOOK = ModelOutlook(
+    model="llama-3-8b",
+    observed_rate=0.0,
+    forecast_rate=0.0,
+    horizon_s=65.0,
+    mean_prompt=0.0,
+    mean_output=0.0,
+    hit_rate=0.0,
+    prefill_load=0.0,
+    decode_load=0.0,
+    held=1,
+)
+MEMBERS = PoolMembers(pool="decode-H100", replicas=["decode-0", "decode-1"], stopping=["decode-1"])
+
 VALUES: list[events.Struct] = [
     ChatMessage(role="user", content="hello"),
     CALL,
@@ -131,6 +166,9 @@ VALUES: list[events.Struct] = [
     REQUEST,
     KV,
     POOL,
+    PLAN_POOL,
+    OUTLOOK,
+    MEMBERS,
     events.KvCacheChange(kind="stored", block_hashes=[11, 12]),
     CHOSEN,
     events.KvDumpRequest(max_blocks=32768),
@@ -368,6 +406,23 @@ SAMPLES: list[Event] = [
         reason="cancelled",
     ),
     FleetObserved(event_id=_id(11), occurred_at=NOW, pools=[POOL]),
+    ScalingDecision(
+        event_id=_id(40),
+        occurred_at=NOW,
+        mode="act",
+        trigger="held",
+        pools=[PLAN_POOL],
+        models=[OUTLOOK],
+        cost_per_hour=3.0,
+        budget_per_hour=40.0,
+    ),
+    CapacityWanted(event_id=_id(41), occurred_at=NOW, model="llama-3-8b", held=1, due_at=NOW + 30),
+    ScaleOrder(event_id=_id(42), occurred_at=NOW, pool="decode-H100", add=1, decision_id=_id(40)),
+    LauncherFleet(
+        event_id=_id(43),
+        occurred_at=NOW,
+        pools=[MEMBERS],
+    ),
     TokenChunk(
         event_id=_id(12),
         occurred_at=NOW,

@@ -714,7 +714,14 @@ def test_admission_autoscaler_ledger_and_pricing_are_the_services_modules(
     spec = fleet(PoolSpec(replicas=2))
     baseline = run_simulation(workload, spec)
     monkeypatch.setattr(admission_policy, "decide", lambda state, **kw: Reject("capacity", "full", None))
-    monkeypatch.setattr(autoscaler_policy, "plan", lambda workers, targets, now: [])
+    monkeypatch.setattr(
+        autoscaler_policy,
+        "plan",
+        lambda state, observations, pools, replicas, settings, now: (
+            state,
+            autoscaler_policy.Plan(at=now, pools=(), models=(), cost_per_hour=0.0, budget_per_hour=None),
+        ),
+    )
     monkeypatch.setattr(pricing, "price_gpu_seconds", lambda gpu_type, seconds, prices: 1.0)
     patched = run_simulation(workload, spec)
     monkeypatch.undo()
@@ -723,7 +730,8 @@ def test_admission_autoscaler_ledger_and_pricing_are_the_services_modules(
     assert ledger.tasks_failed == {"abandoned": 30} and ledger.tasks_succeeded == 0
     assert patched.rejections == {"admission:capacity": 30}
     assert patched.tasks_succeeded == 0 and baseline.tasks_succeeded == 30
-    assert all(s.desired == s.provisioned for s in patched.fleet_timeline)  # plan() gave nothing
+    assert all(s.desired == 0 for s in patched.fleet_timeline)  # plan() gave nothing
+    assert all(s.desired == s.provisioned == 2 for s in baseline.fleet_timeline)  # the fixed pool
     assert patched.total_spend_usd == 2.0  # two workers, priced by the patched function
     assert baseline.total_spend_usd != 2.0
 

@@ -154,6 +154,25 @@ def test_killed_workers_are_restarted_and_their_streams_migrate_without_a_lost_t
                 assert all(replies)
                 wait_back(up, "prefill-0", old)
                 assert await reference(api, later) == replies
+
+                # A decode worker and the router killed together: the restarted router never saw
+                # the worker's earlier start, and still takes over its predecessor's streams.
+                streams = Streams(api)
+                asked = prompts("together", 4)
+                pids: dict[str, int] = {}
+
+                def kill_both() -> int:
+                    pids["router"] = kill(up, "router")
+                    pids["decode-1"] = kill(up, "decode-1")
+                    return pids["decode-1"]
+
+                await streams.run(
+                    asked, when=lambda s: max(s.chunks.values(), default=0) >= 60, action=kill_both
+                )
+                assert streams.errors == {}
+                assert [streams.texts[i] for i in range(len(asked))] == await reference(api, asked)
+                for name, pid in pids.items():
+                    wait_back(up, name, pid)
             finally:
                 await api.close()
 

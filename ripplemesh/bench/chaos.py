@@ -98,7 +98,8 @@ async def _one(api: openai.AsyncOpenAI, outcome: Outcome, max_tokens: int) -> No
     except openai.APIConnectionError:
         outcome.error = "connection cut"
     except Exception as exc:
-        outcome.error = type(exc).__name__
+        # An error event mid-stream (openai.APIError): its message says which (stalled, failed).
+        outcome.error = f"{type(exc).__name__}: {str(exc)[:60]}"
     finally:
         outcome.ended = time.monotonic()
 

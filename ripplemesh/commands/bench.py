@@ -220,3 +220,77 @@ def bench_simulator(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+
+
+@bench.command("autoscale")
+@click.option("--quick", is_flag=True, help="A small run (seconds): a few hundred requests per workload.")
+@click.option(
+    "--fleet",
+    default="prefill:0..16xH100,decode:0..16xH100,decode:0..16xH200",
+    show_default=True,
+    help="The autoscaled fleet (LOW..HIGHxGPU pools); the fixed fleets scale its pools.",
+)
+@click.option(
+    "--traces",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Where the Azure trace is. [default: ../shared/traces]",
+)
+@click.option("--azure-rate-scale", default=6.0, show_default=True, help="Azure: replay at k x its rate.")
+@click.option("--azure-window", default=None, help="Azure: START:END seconds of the trace (default: all).")
+@click.option(
+    "--agentic",
+    default=None,
+    help="The bursty agentic workload, agentic:key=value,... "
+    "[default: workflows=3000,rate_per_s=3,burst_factor=5,burst_s=60,burst_every_s=300,seed=0]",
+)
+@click.option(
+    "--fixed",
+    default=None,
+    help="Fixed fleets: fractions of ripple's peak per pool. [default: 0.25,0.5,0.75,1]",
+)
+@click.option(
+    "--autoscaler",
+    "autoscalers",
+    multiple=True,
+    help="Autoscalers to run (repeatable; NAME[:key=value,...]; default: ripple, dynamo-sla, hpa-queue).",
+)
+@click.option("--start", default=1, show_default=True, help="Replicas each autoscaled pool starts with.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("sim-out/autoscale"), show_default=True)
+def bench_autoscale(
+    quick: bool,
+    fleet: str,
+    traces: Path | None,
+    azure_rate_scale: float,
+    azure_window: str | None,
+    agentic: str | None,
+    fixed: str | None,
+    autoscalers: tuple[str, ...],
+    start: int,
+    out: Path,
+) -> None:
+    """The autoscaler against Dynamo's SLA planner, an HPA queue rule and fixed fleets, on an Azure
+    trace and bursty agents: cost per successful task at the SLO attainment each reaches."""
+    import msgspec
+
+    from ripplemesh.bench.autoscale import AGENTIC, TRACES, run_autoscale_bench
+    from services.simulator.autoscaling import AUTOSCALER_NAMES
+    from services.simulator.command import parse_window
+
+    try:
+        fractions = [float(f) for f in fixed.split(",") if f.strip()] if fixed else None
+        run_autoscale_bench(
+            console=Console(width=200),
+            traces=traces or TRACES,
+            fleet=fleet,
+            quick=quick,
+            azure_rate_scale=azure_rate_scale,
+            azure_window=parse_window(azure_window),
+            agentic=agentic or AGENTIC,
+            fixed=fractions,
+            autoscalers=autoscalers or AUTOSCALER_NAMES,
+            start=start,
+            out=out,
+        )
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise click.UsageError(str(exc)) from exc

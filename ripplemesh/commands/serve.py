@@ -75,6 +75,19 @@ def _service(name: str) -> Any:
 @click.option("--model", default=None, help="Model to serve (default: the config's first).")
 @click.option("--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time.")
 @click.option("--database-url", default=None, help="Ledger database (default SQLite in the data dir).")
+@click.option(
+    "--actuator",
+    type=click.Choice(["launcher", "kubernetes"]),
+    default=None,
+    help="Autoscaler: act through `ripplemesh up --autoscale`'s supervisor or Kubernetes (default: "
+    "observe only, publishing its plans).",
+)
+@click.option(
+    "--scaling-decision",
+    default=None,
+    help="Worker: the autoscaler's decision that started it (its spans link to that plan).",
+)
+@click.option("--scaling-traceparent", default=None, help="Worker: the W3C traceparent of that plan's span.")
 def run(
     service: str,
     nats_url: str,
@@ -93,6 +106,9 @@ def run(
     model: str | None,
     time_scale: float,
     database_url: str | None,
+    actuator: str | None,
+    scaling_decision: str | None,
+    scaling_traceparent: str | None,
 ) -> None:
     """Run one service in this process until SIGTERM or Ctrl-C."""
     from services.mesh.nats_auth import CredentialsError, load_credentials
@@ -115,6 +131,9 @@ def run(
         "device": device,
         "time_scale": time_scale,
         "database_url": database_url,
+        "actuator": actuator,
+        "scaling_decision": scaling_decision,
+        "scaling_traceparent": scaling_traceparent,
     }
     options = ServiceOptions(
         nats_url=nats_url,
@@ -182,6 +201,14 @@ def run(
     help="Restarts in a row of a service that exits within 10 s of its start before it counts as a "
     "crash loop and is left stopped.",
 )
+@click.option(
+    "--autoscale",
+    is_flag=True,
+    help="The autoscaler acts: it starts and drains workers of each pool (to zero when idle), "
+    "within --min-workers and --max-workers (the config's [autoscaler] pools come first).",
+)
+@click.option("--min-workers", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--max-workers", type=click.IntRange(min=1), default=4, show_default=True)
 def up(
     engine: str,
     prefill: int,
@@ -200,14 +227,19 @@ def up(
     database_url: str | None,
     ingress_count: int,
     max_restarts: int,
+    autoscale: bool,
+    min_workers: int,
+    max_workers: int,
 ) -> None:
     """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all. A
     service that exits on its own is restarted (`ripplemesh status` shows the restarts)."""
     from ripplemesh.launcher import Mesh
     from services.mesh.nats_auth import CredentialsError, auth_for_config, load_credentials
 
-    if decode < 1:
+    if decode < 1 and not autoscale:
         raise click.UsageError("the mesh needs at least one decode worker")
+    if autoscale and (min_workers > max_workers or max(prefill, decode) > max_workers):
+        raise click.UsageError("--min-workers, --prefill and --decode must not exceed --max-workers")
     if nats_url and nats_cluster != 1:
         raise click.UsageError("--nats-cluster starts an embedded cluster; it cannot go with --nats-url")
     try:
@@ -237,6 +269,9 @@ def up(
         nats_replicas=nats_replicas,
         restart_policy=RestartPolicy(max_restarts=max_restarts),
         ingress=ingress_count,
+        autoscale=autoscale,
+        autoscale_min=min_workers,
+        autoscale_max=max_workers,
     )
     stop_requested = False
 

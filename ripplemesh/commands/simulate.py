@@ -80,6 +80,13 @@ SIM_POLICIES = (
     help="A variant of ripplemesh's policy: RouterConfig's number fields as key=value,... "
     "(none turns one off), e.g. dearest_task_factor=0.6,dearest_gate=-1.",
 )
+@click.option(
+    "--autoscaler",
+    default="ripple",
+    show_default=True,
+    help="What autoscaled pools (LOW..HIGHxGPU) follow: ripple (services/autoscaler/policy.py), "
+    "dynamo-sla or hpa-queue (services/autoscaler/baselines.py); options as NAME:key=value,...",
+)
 def simulate(
     workload: str,
     fleet_spec: str,
@@ -99,6 +106,7 @@ def simulate(
     no_upper_bound: bool,
     no_plots: bool,
     router_config: str | None,
+    autoscaler: str,
 ) -> None:
     """Replay a workload on a simulated fleet under each routing policy; compare cost per successful task."""
     import msgspec
@@ -126,6 +134,7 @@ def simulate(
             console=Console(),
             admissions=admissions,
             router_config=router_config,
+            autoscaler=autoscaler,
         )
     except (ValueError, msgspec.ValidationError) as exc:
         raise click.UsageError(str(exc)) from exc

@@ -37,6 +37,7 @@ from starlette.routing import BaseRoute
 
 from schemas.events import (
     AdmissionDecision,
+    CapacityWanted,
     DecodeCompleted,
     InferenceRequest,
     RequestAdmitted,
@@ -47,6 +48,7 @@ from schemas.events import (
     WorkerState,
     decode_event,
     derived_event_id,
+    new_event_id,
 )
 from schemas.subjects import (
     ADMISSION_CONSUMER,
@@ -167,6 +169,7 @@ class AdmissionService:
         self._recent_admitted: deque[float] = deque()
         self._recent_finished: deque[float] = deque()
         self._own: OrderedDict[str, None] = OrderedDict()  # ids of RequestAdmitted we published
+        self._capacity_wanted_at: dict[str, float] = {}  # model -> last CapacityWanted published
         self._subscriptions: list[Subscription] = []
         self._shapes: dict[str, str] = {}
 
@@ -432,6 +435,8 @@ class AdmissionService:
             late.record()
         if isinstance(decision, Defer):
             DECISIONS.labels(request.tenant, "defer", decision.reason).inc()
+            if self.state.fleet is None or self.state.fleet.workers == 0:
+                await self._want_capacity(request.model, decision.due)
             held = self.state.deferred.get(request.request_id)
             predicted = held.prediction if held is not None else None
             await self._record(
@@ -455,6 +460,26 @@ class AdmissionService:
         if not admitted_now:
             await self._publish_admitted(event)
         await self._record(event, admission, "admitted", decision.reason, waited_s=decision.waited_s)
+
+    async def _want_capacity(self, model: str, due_at: float) -> None:
+        """Held for want of any worker (scaled to zero, or all lost): the autoscaler hears it
+        and plans at once. Once a second at most per model; a failure is only logged (the
+        autoscaler's interval plans it anyway)."""
+        assert self.runtime is not None
+        now = time.time()
+        if now - self._capacity_wanted_at.get(model, 0.0) < 1.0:
+            return
+        self._capacity_wanted_at[model] = now
+        held = len(self.state.deferred)
+        try:
+            await self.runtime.bus.publish(
+                event_subject("capacity"),
+                CapacityWanted(
+                    event_id=new_event_id(), occurred_at=now, model=model, held=held, due_at=due_at
+                ),
+            )
+        except Exception as exc:
+            log.warning("capacity wanted, not published", extra={"model": model, "error": repr(exc)})
 
     async def _publish_admitted(self, event: RequestPrepared) -> None:
         assert self.runtime is not None

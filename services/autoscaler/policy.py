@@ -1,86 +1,530 @@
-"""The autoscaler's plan: from the workers' live state, the size each pool should be. Pure.
+"""The autoscaler's plan: how many replicas each pool should have, which ones go, and why. Pure:
+state, observations and the clock in; the new state and a plan out. The mesh's autoscaler
+service and the simulator run this same function.
 
-This first version observes and recommends; it does not act. A pool's demand is the work it holds
-(queued and running sequences) and its KV occupancy; the recommended size keeps each replica
-near its target concurrency and its KV below the high-water mark, and never drops below one.
+Per model, once per planning interval (and at once when a request is held for a model with no
+replica, or a measured SLO is missed):
+
+1. **Forecast** (forecast.py): the arrival rate a replica started now would meet once it is
+   ready (the horizon is the pools' start-up time plus an interval), the larger of that and the
+   rate seen now; the request mix (prompt, output, cache hit) as moving averages.
+2. **Load**: uncached prompt tokens per second for prefill (the cache hit rate lowers it), output
+   tokens per second for decode, plus the prompt backlog waiting to be prefilled, to clear within
+   the TTFT SLO.
+3. **Reactive correction**: where a measured TTFT (or inter-token latency) is over its SLO and no
+   replica is warming for it already, the role's load is scaled by measured / SLO (at most
+   `max_reactive_factor`): the profile was optimistic, and a burst does not wait for the forecast.
+4. **Allocation** (capacity.py): each pool's replicas cover a share of the load; a model with a
+   prefill pool is disaggregated (prefill pools take the prompts, decode pools the outputs),
+   otherwise its decode pools serve both. The pools of one role are filled cheapest per unit of
+   work first (price over what one replica does at the SLO), within each pool's min and max; so
+   capacity is added where it is cheapest and, when the need falls, removed where it is dearest.
+   The prefill/decode split is an output of the loads, not a constant.
+5. **Fleet budget** ($/hour across models): the plan is cut, dearest work first, until it fits.
+6. **Hysteresis**: a scale-up acts at once (replicas warming count as capacity coming); a
+   scale-down needs the load to fit fewer replicas even at `scale_down_band` of the target
+   utilisation, continuously for `scale_down_delay_s`, and that long after the pool last grew.
+   The replicas that go are the warming ones first, then those holding the fewest cached blocks
+   (the fleet loses the least cached prefix) and the least running work; they are drained.
+7. **Zero**: a model whose pools allow zero goes to zero after `idle_to_zero_s` without traffic;
+   a held request brings one replica per role back at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
+from services.autoscaler.capacity import EngineProfile, ReplicaCapacity, Slo, replica_capacity
+from services.autoscaler.forecast import ForecastSettings, ModelForecast, Window
+
+Role = Literal["prefill", "decode"]
+ReplicaState = Literal["warming", "serving", "draining"]
+
 
 @dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    worker_id: str
-    pool: str
-    role: Literal["prefill", "decode"]
+class Pool:
+    """A pool of identical replicas serving one model (config: the pool's GPU, price, limits)."""
+
+    name: str
+    model: str
+    role: Role  # "decode" pools serve prefill too where the model has no prefill pool
     gpu_type: str
-    queue_depth: int
-    running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    heartbeat_at: float
+    price_per_hour: float
+    profile: EngineProfile
+    min_replicas: int = 1
+    max_replicas: int = 8
+    startup_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0 or self.max_replicas < 0:
+            raise ValueError(f"pool {self.name}: replica limits must be >= 0")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"pool {self.name}: min_replicas {self.min_replicas} > max_replicas {self.max_replicas}"
+            )
+        if self.price_per_hour < 0:
+            raise ValueError(f"pool {self.name}: price_per_hour must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
-class Targets:
-    sequences_per_replica: float = 64.0
-    kv_high_water: float = 0.8
-    liveness_s: float = 3.0
-    max_replicas: int = 64
-
-
-@dataclass(frozen=True, slots=True)
-class PoolPlan:
+class Replica:
+    replica_id: str
     pool: str
-    role: Literal["prefill", "decode"]
+    state: ReplicaState
+    cached_blocks: int = 0
+    running: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One model's traffic over the last window, and what was measured of it."""
+
+    model: str
+    window: Window
+    ttft_p90_s: float | None = None
+    itl_p90_s: float | None = None
+    queued_prompt_tokens: int = 0  # waiting on the workers to be prefilled
+    held: int = 0  # waiting for a replica: the model has none that serves
+    in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    slo: Slo = field(default_factory=Slo)
+    interval_s: float = 5.0
+    # Not fitted: HPA's default stabilisation window is 300 s; a minute suits a fleet whose
+    # replicas start in about that.
+    scale_down_delay_s: float = 60.0
+    scale_down_band: float = 0.85
+    idle_to_zero_s: float = 300.0
+    budget_per_hour: float | None = None
+    max_reactive_factor: float = 2.0
+    forecast: ForecastSettings = field(default_factory=ForecastSettings)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        if not 0 < self.scale_down_band <= 1:
+            raise ValueError("scale_down_band must be in (0, 1]")
+        if self.budget_per_hour is not None and self.budget_per_hour < 0:
+            raise ValueError("budget_per_hour must be >= 0")
+        if self.max_reactive_factor < 1:
+            raise ValueError("max_reactive_factor must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerState:
+    forecasts: Mapping[str, ModelForecast] = field(default_factory=dict)
+    busy_at: Mapping[str, float] = field(default_factory=dict)  # per model: last traffic seen
+    below_since: Mapping[str, float] = field(default_factory=dict)  # per pool
+    grew_at: Mapping[str, float] = field(default_factory=dict)  # per pool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutlook:
+    model: str
+    observed_rate: float
+    forecast_rate: float
+    horizon_s: float
+    mean_prompt: float
+    mean_output: float
+    hit_rate: float
+    prefill_load: float  # uncached prompt tokens per second planned for
+    decode_load: float  # output tokens per second planned for
+    ttft_p90_s: float | None
+    itl_p90_s: float | None
+    held: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDecision:
+    pool: str
+    model: str
+    role: Role
     gpu_type: str
-    replicas: int
-    desired_replicas: int
-    queue_depth: int
-    running: int
-    kv_utilisation: float
+    serving: int
+    warming: int
+    draining: int
+    desired: int
+    add: int
+    remove: tuple[str, ...]
+    utilisation: float  # predicted share of the pool's SLO capacity in use once the plan is done
+    cost_per_hour: float  # the pool's once the plan is done
     reason: str
 
+    @property
+    def changes(self) -> bool:
+        return self.add > 0 or bool(self.remove)
 
-def plan(workers: Iterable[WorkerLoad], targets: Targets, now: float) -> list[PoolPlan]:
-    pools: dict[str, list[WorkerLoad]] = defaultdict(list)
-    for worker in workers:
-        if now - worker.heartbeat_at <= targets.liveness_s:
-            pools[worker.pool].append(worker)
-    plans = []
-    for pool, members in sorted(pools.items()):
-        replicas = len(members)
-        queue = sum(w.queue_depth for w in members)
-        running = sum(w.running for w in members)
-        total_blocks = sum(w.kv_blocks_total for w in members)
-        kv = sum(w.kv_blocks_used for w in members) / total_blocks if total_blocks else 0.0
-        by_concurrency = math.ceil((queue + running) / targets.sequences_per_replica)
-        by_memory = math.ceil(replicas * kv / targets.kv_high_water)
-        desired = min(targets.max_replicas, max(1, by_concurrency, by_memory))
-        if desired > replicas:
-            reason = "memory" if by_memory >= by_concurrency else "concurrency"
-            reason = f"scale up: {reason} above target"
-        elif desired < replicas:
-            reason = "scale down: demand fits fewer replicas"
-        else:
-            reason = "steady"
-        plans.append(
-            PoolPlan(
-                pool,
-                members[0].role,
-                members[0].gpu_type,
-                replicas,
-                desired,
-                queue,
-                running,
-                round(kv, 4),
-                reason,
-            )
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    at: float
+    pools: tuple[PoolDecision, ...]
+    models: tuple[ModelOutlook, ...]
+    cost_per_hour: float
+    budget_per_hour: float | None
+
+    def pool(self, name: str) -> PoolDecision | None:
+        return next((p for p in self.pools if p.pool == name), None)
+
+    @property
+    def changes(self) -> tuple[PoolDecision, ...]:
+        return tuple(p for p in self.pools if p.changes)
+
+
+def plan(
+    state: PlannerState,
+    observations: Iterable[Observation],
+    pools: Sequence[Pool],
+    replicas: Iterable[Replica],
+    settings: Settings,
+    now: float,
+) -> tuple[PlannerState, Plan]:
+    seen = {o.model: o for o in observations}
+    forecasts = dict(state.forecasts)
+    busy_at = dict(state.busy_at)
+    for model in {p.model for p in pools}:
+        busy_at.setdefault(model, now)  # first planned now: idle counts from here
+    for model, observation in seen.items():
+        forecasts[model] = forecasts.get(model, ModelForecast()).observe(
+            observation.window, settings.forecast
         )
-    return plans
+        if (
+            observation.window.arrivals
+            or observation.held
+            or observation.in_flight
+            or observation.queued_prompt_tokens
+        ):
+            busy_at[model] = now
+    by_pool: dict[str, list[Replica]] = {p.name: [] for p in pools}
+    for replica in replicas:
+        if replica.pool in by_pool:
+            by_pool[replica.pool].append(replica)
+
+    models = sorted({p.model for p in pools})
+    outlooks: list[ModelOutlook] = []
+    targets: dict[str, _Target] = {}
+    for model in models:
+        members = [p for p in pools if p.model == model]
+        forecast = forecasts.get(model, ModelForecast())
+        outlook = _outlook(model, members, forecast, seen.get(model), settings, now)
+        outlooks.append(outlook)
+        targets.update(_allocate(outlook, members, by_pool, busy_at.get(model), settings, now))
+    current = {p.name: sum(1 for r in by_pool[p.name] if r.state != "draining") for p in pools}
+    _fit_budget(targets, pools, current, settings)
+
+    below_since = dict(state.below_since)
+    grew_at = dict(state.grew_at)
+    decisions = []
+    for pool in pools:
+        decision = _decide(pool, targets[pool.name], by_pool[pool.name], below_since, grew_at, settings, now)
+        decisions.append(decision)
+    new_state = PlannerState(forecasts=forecasts, busy_at=busy_at, below_since=below_since, grew_at=grew_at)
+    return new_state, Plan(
+        at=now,
+        pools=tuple(decisions),
+        models=tuple(outlooks),
+        cost_per_hour=round(sum(d.cost_per_hour for d in decisions), 4),
+        budget_per_hour=settings.budget_per_hour,
+    )
+
+
+# ---------------------------------------------------------------- load
+
+
+def _outlook(
+    model: str,
+    members: Sequence[Pool],
+    forecast: ModelForecast,
+    observation: Observation | None,
+    settings: Settings,
+    now: float,
+) -> ModelOutlook:
+    horizon = max(p.startup_s for p in members) + settings.interval_s
+    observed = observation.window.rate if observation is not None else forecast.level
+    ahead = forecast.predict(now + horizon, settings.forecast)
+    rate = max(observed, ahead)
+    uncached = forecast.mean_prompt * (1.0 - forecast.hit_rate)
+    queued = observation.queued_prompt_tokens if observation is not None else 0
+    held = observation.held if observation is not None else 0
+    prefill_load = rate * uncached + (queued + held * uncached) / settings.slo.ttft_s
+    decode_load = rate * forecast.mean_output
+    return ModelOutlook(
+        model=model,
+        observed_rate=round(observed, 4),
+        forecast_rate=round(ahead, 4),
+        horizon_s=horizon,
+        mean_prompt=round(forecast.mean_prompt, 1),
+        mean_output=round(forecast.mean_output, 1),
+        hit_rate=round(forecast.hit_rate, 4),
+        prefill_load=prefill_load,
+        decode_load=decode_load,
+        ttft_p90_s=observation.ttft_p90_s if observation is not None else None,
+        itl_p90_s=observation.itl_p90_s if observation is not None else None,
+        held=held,
+    )
+
+
+@dataclass(slots=True)
+class _Target:
+    """A pool's target sizes: `up` at the target utilisation, `down` the size a scale-down may
+    go to (the load at the down band); `need` the fractional replicas its share needs."""
+
+    up: int
+    down: int
+    need: float
+    unit_cost: float  # $/hour per replica-share of the role's whole load (lower is cheaper work)
+    floor: int  # the fewest the budget may cut it to
+    reasons: list[str]
+    immediate_down: bool = False  # to zero, or cut by the budget: no delay
+
+
+def _allocate(
+    outlook: ModelOutlook,
+    members: Sequence[Pool],
+    by_pool: Mapping[str, list[Replica]],
+    busy_at: float | None,
+    settings: Settings,
+    now: float,
+) -> dict[str, _Target]:
+    disaggregated = any(p.role == "prefill" for p in members)
+    uncached = outlook.mean_prompt * (1.0 - outlook.hit_rate)
+    context = outlook.mean_prompt + outlook.mean_output / 2.0
+    idle = busy_at is not None and now - busy_at >= settings.idle_to_zero_s
+    targets: dict[str, _Target] = {}
+    for role in ("prefill", "decode"):
+        group = [p for p in members if p.role == role]
+        if not group:
+            continue
+        capacities = {
+            p.name: replica_capacity(p.profile, uncached_prompt=uncached, context=context, slo=settings.slo)
+            for p in group
+        }
+        warming = sum(1 for p in group for r in by_pool[p.name] if r.state == "warming")
+        factor, why = _reactive(outlook, role, disaggregated, warming, settings)
+
+        needs = {p.name: _share(outlook, role, disaggregated, capacities[p.name]) * factor for p in group}
+        up = _fill(group, needs, 1.0)
+        down = _fill(group, needs, 1.0 / settings.scale_down_band)
+        if factor > 1.0:
+            # Measured over the SLO: the pools as they are fall short, whatever the profile says.
+            running = sum(1 for p in group for r in by_pool[p.name] if r.state == "serving")
+            _grow_to(group, up, math.ceil(running * factor - 1e-9), needs)
+            for name, size in up.items():
+                down[name] = max(down[name], size)
+        to_zero = idle and all(p.min_replicas == 0 for p in group) and outlook.held == 0
+        reasons = {p.name: list(why) for p in group}
+        running_now = sum(1 for p in group for r in by_pool[p.name] if r.state != "draining")
+        if to_zero:
+            for p in group:
+                up[p.name] = down[p.name] = 0
+                if by_pool[p.name]:
+                    reasons[p.name].append(f"idle {settings.idle_to_zero_s:g} s: to zero")
+        # A role with traffic keeps one replica until idle; one at zero comes back for a held
+        # request (traffic alone cannot reach a role with no replica: admission holds it).
+        elif sum(up.values()) == 0 and (outlook.held or (running_now and not idle)):
+            cheapest = min(group, key=lambda p: (p.price_per_hour * max(needs[p.name], 1e-9), p.name))
+            if cheapest.max_replicas > 0:
+                up[cheapest.name] = down[cheapest.name] = max(down[cheapest.name], 1)
+                reasons[cheapest.name].append(
+                    f"from zero: {outlook.held} held" if outlook.held else "in use: one stays until idle"
+                )
+        for p in group:
+            cap = capacities[p.name]
+            reasons[p.name].append(_load_reason(outlook, role, disaggregated, cap, needs[p.name]))
+            targets[p.name] = _Target(
+                up=up[p.name],
+                down=max(up[p.name], down[p.name]),
+                need=needs[p.name],
+                unit_cost=p.price_per_hour * needs[p.name],
+                floor=max(p.min_replicas, 1 if up[p.name] and sum(up.values()) == up[p.name] else 0),
+                reasons=reasons[p.name],
+                immediate_down=to_zero,
+            )
+    return targets
+
+
+def _share(outlook: ModelOutlook, role: Role, disaggregated: bool, cap: ReplicaCapacity) -> float:
+    """Replicas of one capacity that would carry this role's whole load."""
+    if role == "prefill":
+        return _per(outlook.prefill_load, cap.prefill_at_slo)
+    if disaggregated:
+        return _per(outlook.decode_load, cap.decode_at_slo)
+    return _per(outlook.prefill_load, cap.prefill_at_slo) + _per(outlook.decode_load, cap.decode_at_slo)
+
+
+def _per(load: float, per_replica: float) -> float:
+    if load <= 0:
+        return 0.0
+    return load / per_replica if per_replica > 0 else math.inf
+
+
+def _reactive(
+    outlook: ModelOutlook, role: Role, disaggregated: bool, warming: int, settings: Settings
+) -> tuple[float, list[str]]:
+    """The factor the role's load is scaled by where a measured latency is over its SLO."""
+    if warming:
+        return 1.0, []  # capacity is coming already
+    if outlook.observed_rate == 0 and outlook.held == 0:
+        return 1.0, []  # latencies of requests from a load that has gone
+    measured: list[tuple[str, float | None, float]] = []
+    if role == "prefill" or not disaggregated:
+        measured.append(("TTFT", outlook.ttft_p90_s, settings.slo.ttft_s))
+    if role == "decode":
+        measured.append(("ITL", outlook.itl_p90_s, settings.slo.itl_s))
+    factor, why = 1.0, []
+    for name, value, target in measured:
+        if value is not None and value > target:
+            f = min(settings.max_reactive_factor, value / target)
+            if f > factor:
+                factor = f
+                why = [f"{name} p90 {value:.3g} s over the SLO {target:g} s: load x{f:.2f}"]
+    return factor, why
+
+
+def _fill(group: Sequence[Pool], needs: Mapping[str, float], scale: float) -> dict[str, int]:
+    """Replicas per pool for one role: every pool at its minimum, the rest of the load placed on
+    the pools cheapest per unit of work first, each up to its maximum."""
+    sizes = {p.name: p.min_replicas for p in group}
+    left = 1.0 - sum(sizes[p.name] / (needs[p.name] * scale) for p in group if needs[p.name] > 0)
+    if all(needs[p.name] <= 0 for p in group):
+        return sizes
+    for pool in sorted(group, key=lambda p: (p.price_per_hour * needs[p.name], p.name)):
+        if left <= 1e-9:
+            break
+        need = needs[pool.name] * scale
+        if not math.isfinite(need):
+            continue
+        extra = min(pool.max_replicas - sizes[pool.name], math.ceil(left * need - 1e-9))
+        if extra > 0:
+            sizes[pool.name] += extra
+            left -= extra / need
+    return sizes
+
+
+def _grow_to(group: Sequence[Pool], sizes: dict[str, int], total: int, needs: Mapping[str, float]) -> None:
+    """Add replicas, cheapest work first, until the role has `total` (or every pool is full)."""
+    for pool in sorted(group, key=lambda p: (p.price_per_hour * needs[p.name], p.name)):
+        extra = min(pool.max_replicas - sizes[pool.name], total - sum(sizes.values()))
+        if extra > 0:
+            sizes[pool.name] += extra
+
+
+def _load_reason(
+    outlook: ModelOutlook, role: Role, disaggregated: bool, cap: ReplicaCapacity, need: float
+) -> str:
+    rate = f"{outlook.observed_rate:.3g}/s now, {outlook.forecast_rate:.3g}/s in {outlook.horizon_s:g} s"
+    if role == "prefill" or not disaggregated:
+        work = f"{outlook.prefill_load:.0f} prompt tok/s at hit {outlook.hit_rate:.0%}"
+        if not disaggregated:
+            work += f" + {outlook.decode_load:.0f} output tok/s"
+    else:
+        work = f"{outlook.decode_load:.0f} output tok/s (batch {cap.decode_batch} at the ITL SLO)"
+    return f"{rate}: {work} need {need:.2f} replicas here"
+
+
+# ---------------------------------------------------------------- budget and hysteresis
+
+
+def _fit_budget(
+    targets: dict[str, _Target], pools: Sequence[Pool], current: Mapping[str, int], settings: Settings
+) -> None:
+    """Cut the plan, dearest work first, until the fleet's $/hour (replicas serving and warming
+    once the plan is done) fits the budget."""
+    budget = settings.budget_per_hour
+    if budget is None:
+        return
+    price = {p.name: p.price_per_hour for p in pools}
+
+    def size(name: str) -> int:
+        t, now_size = targets[name], current[name]
+        return t.up if t.up > now_size else (t.down if t.immediate_down and t.down < now_size else now_size)
+
+    while sum(size(name) * price[name] for name in targets) > budget + 1e-9:
+        cuttable = [
+            (targets[name].unit_cost, price[name], name)
+            for name in targets
+            if size(name) > targets[name].floor
+        ]
+        if not cuttable:
+            for t in targets.values():
+                t.reasons.append(f"the pools' minimums cost more than the budget ${budget:g}/h")
+            return
+        *_, name = max(cuttable)
+        target, cut_to = targets[name], size(name) - 1
+        target.up = min(target.up, cut_to)
+        target.down = min(target.down, cut_to)
+        target.immediate_down = True
+        if not any("budget" in r for r in target.reasons):
+            target.reasons.append(f"capped by the fleet budget ${budget:g}/h")
+
+
+def _decide(
+    pool: Pool,
+    target: _Target,
+    members: Sequence[Replica],
+    below_since: dict[str, float],
+    grew_at: dict[str, float],
+    settings: Settings,
+    now: float,
+) -> PoolDecision:
+    warming = [r for r in members if r.state == "warming"]
+    serving = [r for r in members if r.state == "serving"]
+    draining = [r for r in members if r.state == "draining"]
+    current = len(warming) + len(serving)
+    reasons = list(target.reasons)
+    add, remove = 0, tuple[str, ...]()
+    desired = current
+    if target.up > current:
+        add = target.up - current
+        desired = target.up
+        grew_at[pool.name] = now
+        below_since.pop(pool.name, None)
+        reasons.insert(0, f"scale up {current} -> {desired}")
+    elif target.down < current:
+        since = below_since.setdefault(pool.name, now)
+        settled = now - since >= settings.scale_down_delay_s and now - grew_at.get(pool.name, -math.inf) >= (
+            settings.scale_down_delay_s
+        )
+        if settled or target.immediate_down:
+            desired = target.down
+            remove = _to_remove(warming, serving, current - desired)
+            below_since.pop(pool.name, None)
+            reasons.insert(0, f"scale down {current} -> {desired}: drain {', '.join(remove)}")
+        else:
+            wait = settings.scale_down_delay_s - min(now - since, now - grew_at.get(pool.name, -math.inf))
+            reasons.insert(
+                0, f"steady at {current}: fits {target.down}, scale-down in {max(0.0, wait):.0f} s"
+            )
+    else:
+        below_since.pop(pool.name, None)
+        reasons.insert(0, f"steady at {current}")
+    utilisation = target.need / desired if desired else (0.0 if target.need == 0 else math.inf)
+    return PoolDecision(
+        pool=pool.name,
+        model=pool.model,
+        role=pool.role,
+        gpu_type=pool.gpu_type,
+        serving=len(serving),
+        warming=len(warming),
+        draining=len(draining),
+        desired=desired,
+        add=add,
+        remove=remove,
+        utilisation=round(utilisation, 4) if math.isfinite(utilisation) else -1.0,
+        cost_per_hour=round(desired * pool.price_per_hour, 4),
+        reason="; ".join(reasons),
+    )
+
+
+def _to_remove(warming: Sequence[Replica], serving: Sequence[Replica], count: int) -> tuple[str, ...]:
+    """The warming replicas first (nothing cached, nothing running), then those whose going
+    loses the fewest cached blocks and the least running work."""
+    ordered = list(reversed(warming)) + sorted(
+        serving, key=lambda r: (r.cached_blocks, r.running, r.replica_id)
+    )
+    return tuple(r.replica_id for r in ordered[:count])

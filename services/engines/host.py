@@ -57,14 +57,16 @@ from services.mesh import kv_dump
 from services.mesh.completion import decode_completed, sent_at
 from services.mesh.resumption import first_seq, output_before, prompt_proper
 from services.mesh.runtime import Runtime
-from services.mesh.tracing import REQUEST_ID, LateSpan, tracer
+from services.mesh.tracing import REQUEST_ID, LateSpan, link_to, tracer
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 # How long a restarted worker waits for the routers to take its predecessor's work over (they
 # act within a second of the hand-back; none running, it then serves what is left itself).
-HAND_BACK_TIMEOUT_S = 10.0
+# Longer than the routers look for a predecessor's work (PREDECESSOR_SCAN_FOR_S,
+# services/router/liveness.py), so nothing is served here that a router may still migrate.
+HAND_BACK_TIMEOUT_S = 20.0
 KV_EVENTS_EVERY_S = 0.05
 
 TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["worker"])
@@ -92,6 +94,14 @@ class EngineHost:
         self.price_per_hour = runtime.config.gpu_prices_per_hour.get(engine.info.gpu_type, 0.0)
         self.started_at = time.time()
         self.draining = False
+        # Started by an autoscaler's plan: the worker names it, and its spans link to it, so a
+        # trace leads from a request served here to the scale-up that made room for it.
+        extra = runtime.options.extra
+        self.scaling_decision: str | None = extra.get("scaling_decision")
+        self._plan_links = link_to(extra.get("scaling_traceparent"), {"ripple.link": "started_by_plan"})
+        self._plan_attributes = (
+            {"ripple.autoscaler.decision_id": self.scaling_decision} if self.scaling_decision else {}
+        )
         # Batches of prefix-cache changes published so far on rmesh.kv.<worker>.
         self.kv_seq = 0
         # How often the cache changes not published yet go out (evictions, a decode's blocks); a
@@ -201,6 +211,7 @@ class EngineHost:
             adapters=list(info.adapters),
             features=sorted(info.features),
             time_scale=info.time_scale,
+            scaling_decision=self.scaling_decision,
         )
 
     async def heartbeat(self) -> None:
@@ -325,7 +336,9 @@ class EngineHost:
                 "gen_ai.usage.input_tokens": len(request.prompt_tokens),
                 "ripple.worker_id": self.worker_id,
                 "ripple.gpu_type": self.engine.info.gpu_type,
+                **self._plan_attributes,
             },
+            links=self._plan_links,
         )
         try:
             with late.activate() as span:
@@ -412,7 +425,9 @@ class EngineHost:
                 "gen_ai.request.model": request.model,
                 "ripple.worker_id": self.worker_id,
                 "ripple.gpu_type": self.engine.info.gpu_type,
+                **self._plan_attributes,
             },
+            links=self._plan_links,
         ) as span:
             async for step in self.engine.decode(request.request_id, first_token_id):
                 # One chunk per token, so a chunk's seq is its token's position in the output:

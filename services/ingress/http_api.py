@@ -374,6 +374,9 @@ class HttpApi(ServicePart):
                     for chunk in choice.shape.final_chunks(event.finish_reason):
                         yield sse_event(chunk)
                 elif isinstance(event, StreamFailed):
+                    log.warning(
+                        "stream failed", extra={"request_id": event.request_id, "error": event.message}
+                    )
                     yield sse_event(error_body(event.message, type_="server_error", code=event.code))
                     break
             usages = [c.usage for c in choices if c.usage is not None]
@@ -381,6 +384,7 @@ class HttpApi(ServicePart):
                 yield sse_event(choices[0].shape.usage_chunk(choices_usage(usages)))
             yield sse_event("[DONE]")
         except StreamTimeout as exc:
+            log.warning("stream stalled", extra={"error": str(exc)})
             yield sse_event(error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout"))
             yield sse_event("[DONE]")
         finally:

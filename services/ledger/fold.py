@@ -41,6 +41,7 @@ from typing import Literal
 
 from schemas.events import (
     AdmissionDecision,
+    CapacityWanted,
     DecodeCompleted,
     FleetObserved,
     LifecycleEvent,
@@ -51,6 +52,7 @@ from schemas.events import (
     RequestRejected,
     RequestRouted,
     RouteDecision,
+    ScalingDecision,
     WorkStopped,
 )
 from services.ledger.pricing import PricingError, price_gpu_seconds, price_kv_transfer
@@ -193,8 +195,8 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
     errors: list[PricingFailure] = []
     for event in events:
         tag = _TAGS[type(event)]
-        if isinstance(event, FleetObserved):
-            # Recorded in ``events`` only.
+        if isinstance(event, FleetObserved | ScalingDecision | CapacityWanted):
+            # The autoscaler's plans, admission's calls for capacity: recorded in ``events`` only.
             rows.append(_row_without_cost(event.event_id, tag, event.occurred_at))
             continue
         if isinstance(event, RouteDecision | AdmissionDecision):
@@ -433,6 +435,8 @@ _TAGS: dict[type, str] = {
         RequestMigrated,
         WorkStopped,
         FleetObserved,
+        ScalingDecision,
+        CapacityWanted,
     )
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -105,6 +105,54 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     path: str | None = None
 
 
+class AutoscalerPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One pool the autoscaler sizes: its workers' pool name is ``<role>-<gpu_type>``."""
+
+    model: str
+    role: Literal["prefill", "decode"]
+    gpu_type: str = "H100"
+    min_replicas: Annotated[int, msgspec.Meta(ge=0)] = 1
+    max_replicas: Annotated[int, msgspec.Meta(ge=0)] = 8
+    # Seconds from the start of a worker to its first request served (model load, warm-up).
+    startup_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.gpu_type}"
+
+    def __post_init__(self) -> None:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaler pool {self.name}: min_replicas {self.min_replicas} > "
+                f"max_replicas {self.max_replicas}"
+            )
+
+
+class AutoscalerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The autoscaler's targets and limits (services/autoscaler/policy.py `Settings`). Without
+    `pools` it plans the pools its workers announce, each kept at the size it has."""
+
+    interval_s: PositiveFloat = 5.0
+    ttft_slo_s: PositiveFloat = 2.0
+    # None: admission's `tpot_high_s`, the time per token it admits below.
+    itl_slo_s: PositiveFloat | None = None
+    scale_down_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    idle_to_zero_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    budget_per_hour: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    # A daily (or other) shape in the traffic, for the forecast's seasonal term.
+    season_s: PositiveFloat | None = None
+    # Each call to the platform (start, drain, list) gets this long.
+    actuator_timeout_s: PositiveFloat = 10.0
+    pools: list[AutoscalerPoolConfig] = []
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.pools]
+        if len(names) != len(set(names)):
+            raise ValueError(
+                f"autoscaler pools named twice: {sorted(n for n in names if names.count(n) > 1)}"
+            )
+
+
 class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
     max_prompt_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
@@ -116,6 +164,7 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[ModelConfig]
     tenants: dict[str, TenantConfig]
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    autoscaler: AutoscalerConfig = msgspec.field(default_factory=AutoscalerConfig)
     gpu_prices_per_hour: dict[str, PositiveFloat]
     # The ledger prices KV cache bytes moved from a prefill to a decode worker at this many US$
     # per GB (10^9 bytes). The default, 0.01, is the order of inter-zone data transfer prices on

@@ -200,11 +200,14 @@ class Runtime:
     async def stop_consumers(self, grace_s: float = 10.0) -> None:
         await asyncio.gather(*(c.stop(grace_s) for c in self.consumers), return_exceptions=True)
 
-    async def cancel_tasks(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=5.0)
+    async def cancel_tasks(self, timeout_s: float = 5.0) -> None:
+        # Cancelled again while still pending: a library call may swallow one cancellation
+        # (nats-py while it sets up a KV watch's consumer), and the task would run on.
+        deadline = time.monotonic() + timeout_s
+        while self._tasks and time.monotonic() < deadline:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.wait(set(self._tasks), timeout=0.2)
 
 
 def _http_app(runtime_ref: dict[str, Any], service: Service) -> Starlette:
@@ -280,6 +283,7 @@ def _shared_socket(host: str, port: int) -> socket.socket:
 
 async def run_service(service: Service, options: ServiceOptions) -> None:
     """Run one service until SIGTERM/SIGINT, then shut it down gracefully."""
+    log.info("starting")  # with "service started", how long a (re)start takes, and where
     setup_tracing(service.name, options.data_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -311,6 +315,7 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
         replicas=options.nats_replicas,
     )
     await bus.provision()
+    log.info("connected to NATS")
     runtime = Runtime(service.name, options, bus)
     runtime._stop_requested = stop.set
     runtime_ref["runtime"] = runtime

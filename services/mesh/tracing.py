@@ -195,6 +195,16 @@ def inject_headers(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+def link_to(
+    traceparent: str | None, attributes: Mapping[str, AttributeValue] | None = None
+) -> list[trace.Link]:
+    """A link to the span a W3C traceparent names (none for None or a malformed one)."""
+    if not traceparent:
+        return []
+    span = trace.get_current_span(extract_context({"traceparent": traceparent})).get_span_context()
+    return [trace.Link(span, attributes)] if span.is_valid else []
+
+
 def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
     return propagate.extract(dict(headers or {}))
 
@@ -272,6 +282,7 @@ class LateSpan:
         "_context",
         "_end_ns",
         "_kind",
+        "_links",
         "_name",
         "_parent",
         "_pending",
@@ -288,8 +299,10 @@ class LateSpan:
         context: otel_context.Context | None = None,
         kind: SpanKind = SpanKind.INTERNAL,
         attributes: Mapping[str, AttributeValue] | None = None,
+        links: Sequence[trace.Link] = (),
     ):
         self._name = name
+        self._links = links
         self._context = context if context is not None else otel_context.get_current()
         self._kind = kind
         self._attributes = attributes
@@ -311,7 +324,9 @@ class LateSpan:
             )
             self.span: trace.Span = self._pending
         else:
-            self._sdk = tracer().start_span(name, self._context, kind, attributes, start_time=self.start_ns)
+            self._sdk = tracer().start_span(
+                name, self._context, kind, attributes, links=links, start_time=self.start_ns
+            )
             self.span = self._sdk
 
     @contextmanager
@@ -353,6 +368,7 @@ class LateSpan:
                     resource=_provider.resource,
                     attributes=_valid_attributes(attributes),
                     kind=self._kind,
+                    links=self._links,
                     status=pending.status or _UNSET,
                     start_time=self.start_ns,
                     end_time=end_ns,
@@ -366,6 +382,7 @@ class LateSpan:
             self._context,
             self._kind,
             attributes,
+            links=self._links,
             start_time=self.start_ns,
         )
         _ids.reserve(0)  # unused if the SDK built no span (its provider was shut down)

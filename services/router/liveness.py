@@ -11,7 +11,10 @@ still on the WORK stream is taken over at once, and again every `rescan_every_s`
 A worker restarted under its id (killed, and back before anyone declared it lost) heart-beats
 with a new `started_at`: its predecessor is gone though the id is alive, and the work sent
 before that start (`predecessors`: the worker and the cut-off) is taken over the same way,
-for `predecessor_scan_for_s`, while the new incarnation waits for it to leave its subjects.
+for `predecessor_scan_for_s` from that start, while the new incarnation waits for it to leave
+its subjects. A router that itself just started knows no earlier `started_at`: a worker it
+first hears of that started within that window may have a predecessor's work left, so it is
+scanned the same way (a scan that finds nothing costs two reads).
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ class _Alive:
 @dataclass(slots=True)
 class _Predecessor:
     cutoff: float  # the new incarnation's start: work sent before it was the predecessor's
-    since: float
     scanned_at: float | None = None
 
 
@@ -93,13 +95,11 @@ class Liveness:
         if gone is not None and heartbeat_at <= gone.since:
             return  # an older heartbeat, replayed by a new watch
         self.gone.pop(worker_id, None)
-        if (
-            known is not None
-            and started_at is not None
-            and known.started_at is not None
-            and started_at > known.started_at
-        ):
-            self.restarted[worker_id] = _Predecessor(cutoff=started_at, since=heartbeat_at)
+        if started_at is not None and heartbeat_at - started_at <= self.predecessor_scan_for_s:
+            first_heard = known is None and worker_id not in self.restarted
+            newer = known is not None and known.started_at is not None and started_at > known.started_at
+            if first_heard or newer:
+                self.restarted[worker_id] = _Predecessor(cutoff=started_at)
         self.alive[worker_id] = _Alive(heartbeat_at, revision, draining, started_at=started_at)
 
     def removed(self, worker_id: str, now: float) -> None:
@@ -154,7 +154,7 @@ class Liveness:
                 scan.append((worker_id, gone.reason))
         predecessors: list[tuple[str, float]] = []
         for worker_id, restarted in list(self.restarted.items()):
-            if now - restarted.since > self.predecessor_scan_for_s and restarted.scanned_at is not None:
+            if now - restarted.cutoff > self.predecessor_scan_for_s and restarted.scanned_at is not None:
                 del self.restarted[worker_id]
                 continue
             if restarted.scanned_at is None or now - restarted.scanned_at >= self.rescan_every_s:

@@ -2,6 +2,7 @@
 policies and the sim engine's scheduling on a virtual clock, and compare routing policies by cost
 per successful task. See docs/simulator.md."""
 
+from services.simulator.autoscaling import AUTOSCALER_NAMES
 from services.simulator.core import SimOptions, Simulator, run_simulation
 from services.simulator.fleet import FleetSpec, PoolSpec, parse_fleet
 from services.simulator.metrics import SimResult
@@ -15,6 +16,7 @@ from services.simulator.workload import (
 )
 
 __all__ = [
+    "AUTOSCALER_NAMES",
     "POLICY_NAMES",
     "AgenticWorkload",
     "AzureTrace",

@@ -24,14 +24,20 @@ from services.simulator.state import _ADMISSION
 class AdmissionFlow(Requests):
     """Admission's decisions on the requests, through `services.admission.policy`."""
 
-    def _admit(self, req: _RequestRun, now: float) -> bool:
-        """Admission's decision on a new request: True when it goes on to the router now."""
+    def _count_issued(self, req: _RequestRun) -> None:
         task = req.task_run.task
         figures = self.by_tenant.get(task.tenant)
         if figures is None:
             figures = self.by_tenant[task.tenant] = _TenantFigures()
         figures.requests += 1
         self.slo_by_priority.setdefault(task.priority, [0, 0])[1] += 1
+
+    def _admit(self, req: _RequestRun, now: float, *, counted: bool = False) -> bool:
+        """Admission's decision on a new request (`counted`: already counted as issued, when it
+        was held for a replica): True when it goes on to the router now."""
+        task = req.task_run.task
+        if not counted:
+            self._count_issued(req)
         if self.admission.fleet is None:
             self._observe_fleet(now)
         self._admitting[req.rid] = req
@@ -144,6 +150,7 @@ class AdmissionFlow(Requests):
     def _ended(self, req: _RequestRun, now: float, *, admitted: bool, slo_met: bool = False) -> None:
         """A request ended: its concurrency lease goes back; one admitted frees the fleet."""
         task = req.task_run.task
+        self.in_flight -= 1
         self._deadlines.pop(req.rid, None)
         admission_policy.release(self.admission, task.tenant, req.rid)
         if slo_met:

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from services.simulator.admission import DEFAULT_ADMISSION
+from services.simulator.autoscaling import DEFAULT_AUTOSCALER, parse_autoscaler
 from services.simulator.core import SimOptions
 from services.simulator.fleet import parse_fleet
 from services.simulator.harness import compare
@@ -57,10 +58,12 @@ def simulate(
     console: Console | None = None,
     admissions: Sequence[str] = (),
     router_config: str | None = None,
+    autoscaler: str = DEFAULT_AUTOSCALER,
 ) -> list[SimResult]:
     """Run every policy in `policies` (all of them when empty) under every admission variant in
     `admissions` (ripplemesh's when empty; simulator/admission.py) on the workload and fleet,
-    with ripplemesh's policy's knobs as `router_config` sets them (`key=value,...`)."""
+    with ripplemesh's policy's knobs as `router_config` sets them (`key=value,...`), the
+    autoscaled pools following `autoscaler` (simulator/autoscaling.py)."""
     spec = workload
     if seed is not None and (spec == "agentic" or spec.startswith("agentic:")) and "seed=" not in spec:
         spec = f"{spec}{',' if ':' in spec else ':'}seed={seed}"
@@ -80,11 +83,14 @@ def simulate(
         slo_tpot_s=slo_tpot_s,
         prefix_upper_bound=upper_bound,
         router_config=parse_router_config(router_config),
+        autoscaler=autoscaler,
     )
     names = list(policies) or list(POLICY_NAMES)
+    fleet_spec = parse_fleet(fleet)
+    parse_autoscaler(autoscaler, fleet_spec)  # a bad spec fails before any run
     return compare(
         loaded,
-        parse_fleet(fleet),
+        fleet_spec,
         names,
         seed=run_seed(loaded, seed),
         options=options,

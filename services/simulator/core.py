@@ -20,9 +20,13 @@ bit). Per request, in the order the mesh's services act:
    (step_failed), completes late (deadline_missed), or when the agent stops before its final
    step (abandoned, as the ledger rules after its task timeout). A failed task's spend is waste.
    A client abandons a request at its deadline (`abandon_past_deadline`): a failed step.
-5. autoscaler: every `autoscale_interval_s`, `services.autoscaler.policy.plan` per pool; pools
-   marked `autoscale` act on it (new replicas serve after `startup_s`, billed from their start;
-   surplus ones drain after `scale_down_delay_s` and stop billing when empty).
+5. autoscaler: every `autoscale_interval_s` (and at once when a request is held), the named
+   autoscaler (autoscaling.py: `services.autoscaler.policy.plan` for "ripple", the baselines of
+   services/autoscaler/baselines.py) plans every pool from the traffic since its last plan and
+   the replicas; pools marked `autoscale` act on the plan (new replicas serve after `startup_s`,
+   billed from their start; those it removes drain and stop billing when empty). A request for
+   a model with no decode worker serving is held until one is ready (then admitted and routed)
+   or until its deadline (or `hold_limit_s`), then rejected ("no_capacity_in_time").
 
 Policies are called through their modules at each decision (never imported by value), so a
 test that patches a policy module sees the simulator's decisions change.
@@ -60,9 +64,11 @@ from services.simulator.state import (
     _AUTOSCALE,
     _DEADLINE,
     _HEARTBEAT,
+    _HOLD,
     _IMPORT,
     _KICK,
     _NEXT_STEP,
+    _PLAN,
     _READY,
     _STEP,
 )
@@ -161,9 +167,15 @@ class Simulator(AdmissionFlow):
                 self.starting.pop(obj.worker_id, None)
                 if obj.removed_at is None:
                     self._serve(obj, at)
+                    if self._held and obj.role == "decode":
+                        self._release_held(at)
             elif kind == _ADMISSION:
                 if at == self._admission_tick_at:
                     self._admission_tick(at)
+            elif kind == _PLAN:
+                self._held_plan(at)
+            elif kind == _HOLD:
+                self._hold_expired(obj, at)
         return events
 
     def _heartbeat(self, now: float) -> None:

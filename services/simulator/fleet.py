@@ -7,6 +7,7 @@ pools separated by commas:
     16xH200/llama-3.1-8b:fp8              a model shape with its precision (profiles.model_shape)
     prefill:8xH100,decode:24xH100         disaggregated: a prefill pool and a decode pool
     4..32xH100                            autoscaled between 4 and 32 replicas, starting at 4
+    0..8xH100                             autoscaled between 0 and 8 (to zero when idle), starting at 0
     8xH100/llama-3-70b:fp8@2              tensor parallelism 2 (each replica two GPUs)
 """
 
@@ -18,13 +19,16 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.autoscaler.policy import Targets
+from services.autoscaler.capacity import Slo
+from services.autoscaler.policy import Settings
 from services.engines.sim.engine import SimEngine
 from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
-_DEFAULT_TARGETS = Targets()
+Count = Annotated[int, msgspec.Meta(ge=0)]
+_DEFAULT_SETTINGS = Settings()
+_DEFAULT_SLO = Slo()
 
 
 class PoolSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -33,10 +37,10 @@ class PoolSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu: str = "H100"
     shape: str = "llama-3.1-8b"
     model: str | None = None  # the model name requests carry; default: the workload's
-    replicas: Annotated[int, msgspec.Meta(ge=0)] = 1
+    replicas: Count = 1  # at the start (an autoscaled pool's start may be its minimum, 0 too)
     autoscale: bool = False
-    min_replicas: Positive = 1
-    max_replicas: Positive | None = None
+    min_replicas: Count = 1
+    max_replicas: Count | None = None  # default: max(replicas, min_replicas)
     tensor_parallel: Positive = 1
     max_batch_tokens: Positive = 8192
     max_running: Positive = 256
@@ -51,6 +55,11 @@ class PoolSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def label(self, index: int) -> str:
         return self.name or f"{self.role}-{self.gpu}-{index}".lower()
+
+    @property
+    def high(self) -> int:
+        """The most replicas the pool may have."""
+        return self.max_replicas if self.max_replicas is not None else max(self.replicas, self.min_replicas)
 
     def engine(self, *, model: str, block_size: int) -> SimEngine:
         """The worker's engine, built by the sim engine's own constructor (never started)."""
@@ -75,10 +84,23 @@ class FleetSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pools: list[PoolSpec]
     block_size: Positive | None = None  # default: the workload's
     heartbeat_s: float = 1.0  # the workers' heartbeat (services/engines/host.py HEARTBEAT_S)
-    autoscale_interval_s: float = 5.0  # the autoscaler's observe interval
-    scale_down_delay_s: NonNegative = 60.0  # desired below current this long before draining
-    sequences_per_replica: float = _DEFAULT_TARGETS.sequences_per_replica
-    kv_high_water: float = _DEFAULT_TARGETS.kv_high_water
+    # The autoscaler's planning interval (the policy's `Settings.interval_s`; the baselines plan
+    # at their own, services/autoscaler/baselines.py) and the fleet timeline's sampling interval.
+    autoscale_interval_s: float = 5.0
+    # The policy's settings (services/autoscaler/policy.py `Settings`), defaults as there.
+    scale_down_delay_s: NonNegative = _DEFAULT_SETTINGS.scale_down_delay_s
+    ttft_slo_s: float = _DEFAULT_SLO.ttft_s
+    itl_slo_s: float = _DEFAULT_SLO.itl_s
+    idle_to_zero_s: NonNegative = _DEFAULT_SETTINGS.idle_to_zero_s
+    budget_per_hour: NonNegative | None = _DEFAULT_SETTINGS.budget_per_hour
+    # A request for a model with no serving replica is held for one to come up, at most until
+    # its deadline, or this long where it has none; then it is rejected (no capacity in time).
+    hold_limit_s: NonNegative = 120.0
+    # The hpa-queue baseline's target: queued + running sequences per decode replica (the
+    # project's earlier HPA-style rule's default); prefill replicas' is
+    # `prefill_sequences_per_replica`.
+    sequences_per_replica: Annotated[float, msgspec.Meta(gt=0)] = 64.0
+    prefill_sequences_per_replica: Annotated[float, msgspec.Meta(gt=0)] = 8.0
     gpu_prices_per_hour: dict[str, float] | None = None  # default: the mesh config's
     kv_transfer_usd_per_gb: NonNegative | None = None  # default: the mesh config's
 
@@ -87,6 +109,8 @@ class FleetSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("a fleet needs at least one pool")
         if self.heartbeat_s <= 0 or self.autoscale_interval_s <= 0:
             raise ValueError("heartbeat_s and autoscale_interval_s must be > 0")
+        if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
+            raise ValueError("ttft_slo_s and itl_slo_s must be > 0")
         names: set[str] = set()
         for index, pool in enumerate(self.pools):
             label = pool.label(index)
@@ -102,12 +126,14 @@ class FleetSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def replicas(self) -> int:
         return sum(p.replicas for p in self.pools)
 
-    def targets(self, pool: PoolSpec) -> Targets:
-        return Targets(
-            sequences_per_replica=self.sequences_per_replica,
-            kv_high_water=self.kv_high_water,
-            liveness_s=3.0 * self.heartbeat_s,
-            max_replicas=pool.max_replicas or max(pool.replicas, pool.min_replicas),
+    def settings(self) -> Settings:
+        """The autoscaler policy's settings for this fleet."""
+        return Settings(
+            slo=Slo(ttft_s=self.ttft_slo_s, itl_s=self.itl_slo_s),
+            interval_s=self.autoscale_interval_s,
+            scale_down_delay_s=self.scale_down_delay_s,
+            idle_to_zero_s=self.idle_to_zero_s,
+            budget_per_hour=self.budget_per_hour,
         )
 
 
@@ -137,7 +163,7 @@ def parse_fleet(spec: str) -> FleetSpec:
             fields["replicas"] = int(match["count"])
         else:
             low, high = int(match["low"]), int(match["high"])
-            fields.update(replicas=low, min_replicas=max(1, low), max_replicas=high, autoscale=True)
+            fields.update(replicas=low, min_replicas=low, max_replicas=high, autoscale=True)
         if match["shape"]:
             fields["shape"] = match["shape"]
         if match["tp"]:

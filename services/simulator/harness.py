@@ -103,6 +103,8 @@ def comparison_table(results: Sequence[SimResult]) -> Table:
             for p in first.fleet["pools"]
         )
         title = f"{first.workload['name']} on {pools}: {first.tasks:,} tasks, {first.requests:,} requests"
+        if any(p["autoscale"] for p in first.fleet["pools"]):
+            title += f", autoscaler {first.autoscaler}"
     table = Table(title=title, title_justify="left")
     columns = (
         "policy",
@@ -288,7 +290,7 @@ def plot_results(results: Sequence[SimResult], out: Path) -> list[Path]:
                 where="post",
                 linestyle=":",
                 alpha=0.7,
-                label=f"{r.label} (autoscaler's desired)",
+                label=f"{r.label} ({r.autoscaler}'s desired)",
             )
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("replicas")

@@ -1,14 +1,15 @@
-"""A request's life: a task's arrival and its steps issued, the router's placement and the
-hand-off to its workers, prefill, the KV hand-off to a decode worker, completion (latencies,
-SLOs, the task's next step or its end), rejection, failure and the client's deadline; each
-request logged once (`RequestRecord`) when its GPU time is all charged."""
+"""A request's life: a task's arrival and its steps issued, held for a replica where its model
+has no decode worker serving (released when one is ready, rejected when none is in time), the
+router's placement and the hand-off to its workers, prefill, the KV hand-off to a decode worker,
+completion (latencies, SLOs, the task's next step or its end), rejection, failure and the
+client's deadline; each request logged once (`RequestRecord`) when its GPU time is all charged."""
 
 from __future__ import annotations
 
 from services.router.policy import NoPlacement, RouteRequest
 from services.simulator.records import RequestRecord, _RequestRun, _TaskRun
 from services.simulator.replicas import Fleet
-from services.simulator.state import _DEADLINE, _NEXT_STEP, _STEP
+from services.simulator.state import _DEADLINE, _HOLD, _NEXT_STEP, _STEP
 from services.simulator.worker import CANCELLED, DONE, FINISHED, PREFILLED, Seq, SimWorker
 from services.simulator.workload import Step, Task
 
@@ -18,8 +19,16 @@ class Requests(Fleet):
 
     # Admission's side of a request (admission_flow.py, `AdmissionFlow`).
 
-    def _admit(self, req: _RequestRun, now: float) -> bool:
+    def _admit(self, req: _RequestRun, now: float, *, counted: bool = False) -> bool:
         """Admission's decision on a new request: True when it goes on to the router now."""
+        raise NotImplementedError
+
+    def _count_issued(self, req: _RequestRun) -> None:
+        """The request counts as issued in its tenant's and its priority's figures."""
+        raise NotImplementedError
+
+    def _observe_fleet(self, now: float) -> None:
+        """Admission sees the fleet as the workers' last heartbeats tell it."""
         raise NotImplementedError
 
     def _ended(self, req: _RequestRun, now: float, *, admitted: bool, slo_met: bool = False) -> None:
@@ -42,8 +51,44 @@ class Requests(Fleet):
         rid = f"{task.task_id}-{index}" if task.workflow else task.task_id
         req = _RequestRun(task_run, index, rid, spec, now)
         self.requests += 1
-        if self._admit(req, now):
+        self.in_flight += 1
+        self._arrivals_since_sample += 1
+        window = self._window
+        window.arrivals += 1
+        window.prompt_tokens += spec.prompt_tokens
+        if not self._decode_live.get(self.workload.model):
+            self._count_issued(req)
+            self._hold(req, now, admitted=False)
+        elif self._admit(req, now):
             self._route(req, now)
+
+    def _hold(self, req: _RequestRun, now: float, *, admitted: bool) -> None:
+        """No decode worker serves the model: the request waits for one, until its deadline or,
+        without one, `hold_limit_s`; the first held asks the autoscaler for a plan now."""
+        self._held[req.rid] = (req, admitted)
+        self.held_requests += 1
+        until = req.deadline_at if req.deadline_at is not None else now + self.fleet.hold_limit_s
+        self._push(max(now, until), _HOLD, req.rid)
+        if len(self._held) == 1:
+            self._plan_soon(now)
+
+    def _hold_expired(self, rid: str, now: float) -> None:
+        entry = self._held.pop(rid, None)
+        if entry is not None:
+            req, admitted = entry
+            self._reject(req, "router" if admitted else "admission", "no_capacity_in_time", now)
+
+    def _release_held(self, now: float) -> None:
+        """A decode worker is ready: the held requests go on, in the order they came, to
+        admission (those not admitted yet) and the router."""
+        if not self._held or not self._decode_live.get(self.workload.model):
+            return
+        self._observe_fleet(now)
+        held = list(self._held.values())
+        self._held.clear()
+        for req, admitted in held:
+            if admitted or self._admit(req, now, counted=True):
+                self._route(req, now)
 
     def _route_request(self, req: _RequestRun, admission_wait_s: float = 0.0) -> RouteRequest:
         """The request as the router sees it (and admission's prediction of its first token): built
@@ -80,6 +125,9 @@ class Requests(Fleet):
         """Place an admitted request (held back `admission_wait_s` by admission) and hand it to
         its workers."""
         spec, rid = req.spec, req.rid
+        if not self._decode_live.get(self.workload.model):
+            self._hold(req, now, admitted=True)
+            return
         prompt, output = spec.prompt_tokens, spec.output_tokens
         self.prefix.now = now
         placement = self.router(self.router_state, self._route_request(req, admission_wait_s), now)
@@ -149,6 +197,9 @@ class Requests(Fleet):
         req.first_token_at = now
         req.cached = seq.cached_tokens
         req.queue_s = seq.admitted_at - seq.enqueued_at
+        window = self._window
+        window.cached_tokens += seq.cached_tokens
+        window.ttfts.append(now - req.arrival)
         # Prefix-cache accounting over the requests whose prefill ran.
         self.prompt_tokens += seq.prompt_len
         self.cached_tokens += seq.cached_tokens
@@ -190,8 +241,12 @@ class Requests(Fleet):
         ttft = first - req.arrival
         self.ttft.add(ttft)
         tpot = (now - first) / (spec.output_tokens - 1) if spec.output_tokens > 1 else None
+        window = self._window
+        window.output_tokens += spec.output_tokens
+        window.completed += 1
         if tpot is not None:
             self.tpot.add(tpot)
+            window.itls.append(tpot)
         self.e2e.add(now - req.arrival)
         if req.queue_s is not None:
             self.queue.add(req.queue_s)

@@ -101,6 +101,31 @@ class FleetSample(msgspec.Struct, array_like=True):
     queued: int  # requests waiting for admission to a batch, fleet-wide
     running: int  # requests in running batches, fleet-wide
     kv_utilisation: float  # KV blocks in use / KV blocks, fleet-wide
+    arrivals: int = 0  # requests issued since the previous sample
+    held: int = 0  # requests held for a replica (their model has none serving)
+
+
+class PoolPlanRecord(msgspec.Struct, array_like=True):
+    """One pool's decision in an autoscaler plan (services/autoscaler/policy.py `PoolDecision`)."""
+
+    pool: str
+    serving: int
+    warming: int
+    draining: int
+    desired: int
+    add: int
+    remove: list[str]
+    reason: str
+
+
+class PlanRecord(msgspec.Struct):
+    """One autoscaler plan: when, why it ran ("interval" or "held"), the fleet's $/hour once it
+    is done, and every pool's decision with its reason."""
+
+    t: float
+    trigger: str
+    cost_per_hour: float
+    pools: list[PoolPlanRecord]
 
 
 class LatencyStats(msgspec.Struct):
@@ -170,6 +195,12 @@ class SimResult(msgspec.Struct, kw_only=True):
     tenants: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     # The RouterConfig fields the run set otherwise than the default (`--router-config`).
     router_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    # The autoscaler (simulator/autoscaling.py), every plan it made, and the requests held for a
+    # replica (their model had none serving; those not served in time are rejections,
+    # "admission:no_capacity_in_time").
+    autoscaler: str = "ripple"
+    autoscale_plans: list[PlanRecord] = msgspec.field(default_factory=list)
+    held_requests: int = 0
 
     @property
     def label(self) -> str:

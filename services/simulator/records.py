@@ -48,6 +48,8 @@ class SimOptions:
     # ripplemesh's policy's knobs (and what admission's predictions read): the default's, or a
     # variant's (`policies.parse_router_config`).
     router_config: RouterConfig = field(default_factory=RouterConfig)
+    # The autoscaler the fleet's autoscaled pools follow (simulator/autoscaling.py).
+    autoscaler: str = "ripple"
 
 
 class _TaskRun:

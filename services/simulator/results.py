@@ -90,6 +90,9 @@ def result_of(sim: SimState, wall_s: float) -> SimResult:
         deferral_s=latency_stats(sim.deferral),
         slo_by_priority={p: ratio(met, issued) for p, (met, issued) in sorted(sim.slo_by_priority.items())},
         tenants=_tenant_figures(sim),
+        autoscaler=sim.autoscaler.name,
+        autoscale_plans=sim.plans,
+        held_requests=sim.held_requests,
     )
 
 
@@ -122,6 +125,12 @@ def _describe_fleet(fleet: FleetSpec, block_size: int) -> dict[str, Any]:
         "block_size": block_size,
         "heartbeat_s": fleet.heartbeat_s,
         "autoscale_interval_s": fleet.autoscale_interval_s,
+        "scale_down_delay_s": fleet.scale_down_delay_s,
+        "ttft_slo_s": fleet.ttft_slo_s,
+        "itl_slo_s": fleet.itl_slo_s,
+        "idle_to_zero_s": fleet.idle_to_zero_s,
+        "budget_per_hour": fleet.budget_per_hour,
+        "hold_limit_s": fleet.hold_limit_s,
         "pools": [
             {
                 "name": pool.label(i),
@@ -131,7 +140,8 @@ def _describe_fleet(fleet: FleetSpec, block_size: int) -> dict[str, Any]:
                 "replicas": pool.replicas,
                 "autoscale": pool.autoscale,
                 "min_replicas": pool.min_replicas,
-                "max_replicas": pool.max_replicas,
+                "max_replicas": pool.high,
+                "startup_s": pool.startup_s,
                 "tensor_parallel": pool.tensor_parallel,
             }
             for i, pool in enumerate(fleet.pools)

@@ -11,19 +11,35 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.admission.policy import AdmissionState
+from services.autoscaler.capacity import EngineProfile
+from services.autoscaler.forecast import Window
 from services.mesh.config import MeshConfig
 from services.router import policy as router_policy
 from services.router.policy import RouterState, WorkerSpeed
 from services.simulator.admission import DEFAULT_ADMISSION, AdmissionVariant, parse_admission
+from services.simulator.autoscaling import TrafficWindow, parse_autoscaler
 from services.simulator.fleet import FleetSpec, PoolSpec
-from services.simulator.metrics import FleetSample, LatencySketch
+from services.simulator.metrics import FleetSample, LatencySketch, PlanRecord
 from services.simulator.policies import FleetPrefixView, make_router
 from services.simulator.records import Progress, RequestLog, SimOptions, _RequestRun, _TenantFigures
 from services.simulator.worker import SimWorker
 from services.simulator.workload import Task, Workload
 
 # Event kinds.
-_STEP, _ARRIVAL, _NEXT_STEP, _IMPORT, _DEADLINE, _HEARTBEAT, _AUTOSCALE, _READY, _KICK, _ADMISSION = range(10)
+(
+    _STEP,
+    _ARRIVAL,
+    _NEXT_STEP,
+    _IMPORT,
+    _DEADLINE,
+    _HEARTBEAT,
+    _AUTOSCALE,
+    _READY,
+    _KICK,
+    _ADMISSION,
+    _PLAN,
+    _HOLD,
+) = range(12)
 
 
 class SimState:
@@ -93,8 +109,23 @@ class SimState:
         self.router = make_router(policy, self.prefix)
         self._pool_of: dict[str, PoolSpec] = {}
         self._pool_counter: dict[str, itertools.count[int]] = {}
-        self._below_since: dict[str, float] = {}
+        # The autoscaler (autoscaling.py): its plans, the traffic each observes, the replicas
+        # it wants per pool, the pools as it sees them, and the requests held for a replica.
+        self.autoscaler = parse_autoscaler(self.options.autoscaler, fleet)
         self._desired: dict[str, int] = {}
+        self._profiles: dict[str, EngineProfile] = {}
+        self._window = TrafficWindow()
+        self._window_start = 0.0
+        self._last_windows: dict[str, Window] = {}  # per model: the last interval plan's
+        self._next_plan_at = 0.0
+        self._plan_pending = False
+        self._planned_at: float | None = None
+        self._arrivals_since_sample = 0
+        self.plans: list[PlanRecord] = []
+        self._decode_live: dict[str, int] = {}  # per model: decode workers serving, not draining
+        self._held: dict[str, tuple[_RequestRun, bool]] = {}  # rid -> (request, admitted already)
+        self.held_requests = 0
+        self.in_flight = 0  # requests issued and not ended
         # The workload.
         self._tasks: Iterator[Task] = workload.tasks()
         self._next_task: Task | None = None

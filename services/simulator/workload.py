@@ -603,6 +603,11 @@ class AgenticWorkload(Workload):
     max_tokens_per_step: int = 8192
     think_s: float = 3.0  # mean, exponential
     failure_rate: float = 0.0  # application-level failure of a step's result
+    # Bursts: each period of `burst_every_s` seconds ends with `burst_s` seconds of arrivals at
+    # `burst_factor` x `rate_per_s` (off by default: `burst_s` 0).
+    burst_factor: float = 1.0
+    burst_s: float = 0.0
+    burst_every_s: float = 0.0
     seed: int = 0
     block_size: int = 16
     model: str = "llama-3.1-8b"
@@ -622,6 +627,10 @@ class AgenticWorkload(Workload):
             raise ValueError("workflows must be >= 0 and rate_per_s > 0")
         if not 0.0 <= self.failure_rate <= 1.0:
             raise ValueError("failure_rate must be in [0, 1]")
+        if self.burst_factor <= 0 or self.burst_s < 0:
+            raise ValueError("burst_factor must be > 0 and burst_s >= 0")
+        if self.burst_s > 0 and not self.burst_every_s >= self.burst_s:
+            raise ValueError("bursts need burst_every_s >= burst_s > 0")
         self.tenants = {t.name: Tenant(t.name, t.priority, t.quota) for t in self.tenants_spec}
 
     def _size(self, rng: random.Random, mean: float) -> int:
@@ -641,9 +650,37 @@ class AgenticWorkload(Workload):
             chain.append(segment, t.system_prompt_tokens)
             systems.append(chain)
         at = 0.0
+        bursty = self.burst_s > 0 and self.burst_factor != 1.0
         for i in range(self.workflows):
-            at += arrivals.expovariate(self.rate_per_s)
+            if bursty:
+                at = self._next_arrival(arrivals, at)
+            else:
+                at += arrivals.expovariate(self.rate_per_s)
             yield (at, self._builder(i, shares, systems))
+
+    def _rate_until(self, t: float) -> tuple[float, float]:
+        """The arrival rate in force at `t` (bursts on) and when it next changes."""
+        period, length = self.burst_every_s, self.burst_s
+        n = math.floor(t / period)
+        while True:
+            calm_end, burst_end = n * period + (period - length), (n + 1) * period
+            if t < calm_end:
+                return self.rate_per_s, calm_end
+            if t < burst_end:
+                return self.rate_per_s * self.burst_factor, burst_end
+            n += 1
+
+    def _next_arrival(self, rng: random.Random, at: float) -> float:
+        """The next arrival of a Poisson process whose rate is piecewise constant (bursts): a
+        unit exponential spent over the rates in force (the inverse of the cumulative rate)."""
+        left = rng.expovariate(1.0)
+        t = at
+        while True:
+            rate, until = self._rate_until(t)
+            if t + left / rate <= until:
+                return t + left / rate
+            left -= (until - t) * rate
+            t = until
 
     def _builder(self, i: int, shares: list[float], systems: list[_Chain]) -> Callable[[float, int], Task]:
         def build(arrival: float, index: int) -> Task:
@@ -679,8 +716,14 @@ class AgenticWorkload(Workload):
         return self.workflows if self.limit is None else min(self.workflows, self.limit)
 
     def describe(self) -> dict[str, Any]:
+        bursts = (
+            {"bursts": {"factor": self.burst_factor, "seconds": self.burst_s, "every_s": self.burst_every_s}}
+            if self.burst_s > 0
+            else {}
+        )
         return {
             **Workload.describe(self),
+            **bursts,
             "workflows": self.workflows,
             "rate_per_s": self.rate_per_s,
             "steps": [self.min_steps, self.max_steps],
@@ -789,6 +832,9 @@ def load_workload(
             "max_tokens_per_step": int,
             "think_s": float,
             "failure_rate": float,
+            "burst_factor": float,
+            "burst_s": float,
+            "burst_every_s": float,
             "seed": int,
             "block_size": int,
             "model": str,

@@ -1,0 +1,188 @@
+"""The autoscalers the simulator can run, by name, and the window of traffic each plan observes.
+
+A run's autoscaler is named on the command line as ``NAME[:key=value,...]``:
+
+- ``ripple`` (the default): `services.autoscaler.policy.plan`, the mesh's autoscaler, with the
+  fleet's settings (`FleetSpec.settings`: its SLO, `autoscale_interval_s`, scale-down delay,
+  idle-to-zero time, budget). Keys: `Settings`' number fields (e.g. ``ripple:scale_down_band=0.8``).
+  It plans every interval and at once when a request is held for a model with no replica.
+- ``dynamo-sla``: `services.autoscaler.baselines.dynamo_sla` (NVIDIA Dynamo's SLA planner) every
+  `adjustment_interval_s` (180 s, Dynamo's default). Keys: `DynamoSettings`' fields.
+- ``hpa-queue``: `services.autoscaler.baselines.hpa_queue` (a Kubernetes HPA on queued + running
+  sequences per replica, KEDA's scale to and from zero) every `interval_s` (15 s, HPA's sync
+  period), with the fleet's `sequences_per_replica` targets. Keys: `HpaSettings`' fields.
+
+The baselines plan at their own interval only: a held request waits for their next sync (HPA's
+and KEDA's controllers poll; Dynamo's planner never goes to zero). Every function is looked up
+on its module at each plan, never copied here (tests patch the policy module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from services.autoscaler import baselines as autoscaler_baselines
+from services.autoscaler import policy as autoscaler_policy
+from services.autoscaler.policy import Observation, Plan, Pool, Replica
+from services.simulator.fleet import FleetSpec
+from services.simulator.options import convert, key_values
+
+AUTOSCALER_NAMES = ("ripple", "dynamo-sla", "hpa-queue")
+DEFAULT_AUTOSCALER = "ripple"
+
+
+class Autoscaler(Protocol):
+    name: str  # the spec as given
+    interval_s: float
+    plans_on_hold: bool  # plans at once when a request is held for a model with no replica
+
+    def plan(
+        self,
+        observations: Sequence[Observation],
+        pools: Sequence[Pool],
+        replicas: Sequence[Replica],
+        queued: Mapping[str, int],
+        now: float,
+    ) -> Plan: ...
+
+
+class _Ripple:
+    plans_on_hold = True
+
+    def __init__(self, name: str, settings: autoscaler_policy.Settings):
+        self.name = name
+        self.settings = settings
+        self.interval_s = settings.interval_s
+        self.state = autoscaler_policy.PlannerState()
+        self.first = True
+
+    def plan(
+        self,
+        observations: Sequence[Observation],
+        pools: Sequence[Pool],
+        replicas: Sequence[Replica],
+        queued: Mapping[str, int],
+        now: float,
+    ) -> Plan:
+        if self.first:
+            # A fresh planner takes a model it has never seen busy as idle, and would drain a
+            # running fleet (whose pools allow zero) at its first plan: a model with replicas
+            # counts as busy when the planner starts.
+            self.first = False
+            running = {p.model for p in pools for r in replicas if r.pool == p.name}
+            busy = {model: now for model in sorted(running)}
+            self.state = dataclasses.replace(self.state, busy_at={**busy, **self.state.busy_at})
+        self.state, result = autoscaler_policy.plan(
+            self.state, observations, pools, replicas, self.settings, now
+        )
+        return result
+
+
+class _Dynamo:
+    plans_on_hold = False
+
+    def __init__(self, name: str, settings: autoscaler_baselines.DynamoSettings):
+        self.name = name
+        self.settings = settings
+        self.interval_s = settings.adjustment_interval_s
+        self.state = autoscaler_baselines.DynamoState()
+
+    def plan(
+        self,
+        observations: Sequence[Observation],
+        pools: Sequence[Pool],
+        replicas: Sequence[Replica],
+        queued: Mapping[str, int],
+        now: float,
+    ) -> Plan:
+        self.state, result = autoscaler_baselines.dynamo_sla(
+            self.state, observations, pools, replicas, self.settings, now
+        )
+        return result
+
+
+class _Hpa:
+    plans_on_hold = False
+
+    def __init__(self, name: str, settings: autoscaler_baselines.HpaSettings):
+        self.name = name
+        self.settings = settings
+        self.interval_s = settings.interval_s
+        self.state = autoscaler_baselines.HpaState()
+
+    def plan(
+        self,
+        observations: Sequence[Observation],
+        pools: Sequence[Pool],
+        replicas: Sequence[Replica],
+        queued: Mapping[str, int],
+        now: float,
+    ) -> Plan:
+        self.state, result = autoscaler_baselines.hpa_queue(
+            self.state, observations, pools, replicas, self.settings, now, queued=queued
+        )
+        return result
+
+
+def _changes(spec: str, cls: Any, skip: tuple[str, ...]) -> dict[str, Any]:
+    """`key=value` options over the number (and bool) fields of the settings class `cls`."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls) if f.name not in skip}
+    changes: dict[str, Any] = {}
+    for key, value in key_values(spec, "autoscaler").items():
+        if key not in kinds:
+            raise ValueError(f"unknown autoscaler option {key!r}; known: {', '.join(kinds)}")
+        if str(kinds[key]) == "bool":
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"autoscaler option {key}={value!r}: expected true or false")
+            changes[key] = value.lower() in ("true", "1", "yes")
+        else:
+            changes[key] = convert(key, value, kinds[key], "autoscaler")
+    return changes
+
+
+def parse_autoscaler(spec: str, fleet: FleetSpec) -> Autoscaler:
+    """The autoscaler `spec` names (module docstring), set up for `fleet`."""
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if name == "ripple":
+        settings = fleet.settings()
+        changes = _changes(rest, autoscaler_policy.Settings, ("slo", "forecast"))
+        return _Ripple(spec, dataclasses.replace(settings, **changes))
+    if name == "dynamo-sla":
+        dynamo = autoscaler_baselines.DynamoSettings(slo=fleet.settings().slo)
+        changes = _changes(rest, autoscaler_baselines.DynamoSettings, ("slo",))
+        return _Dynamo(spec, dataclasses.replace(dynamo, **changes))
+    if name == "hpa-queue":
+        hpa = autoscaler_baselines.HpaSettings(
+            decode_target=fleet.sequences_per_replica, prefill_target=fleet.prefill_sequences_per_replica
+        )
+        changes = _changes(rest, autoscaler_baselines.HpaSettings, ())
+        return _Hpa(spec, dataclasses.replace(hpa, **changes))
+    raise ValueError(f"unknown autoscaler {name!r}; known: {', '.join(AUTOSCALER_NAMES)}")
+
+
+class TrafficWindow:
+    """One model's traffic since the last plan: what its `Observation.window` and measured
+    latencies are made of (TTFT at each first token, time per output token at each completion)."""
+
+    __slots__ = ("arrivals", "cached_tokens", "completed", "itls", "output_tokens", "prompt_tokens", "ttfts")
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.output_tokens = 0
+        self.completed = 0
+        self.ttfts: list[float] = []
+        self.itls: list[float] = []
+
+
+def p90(values: list[float]) -> float | None:
+    """The nearest-rank 90th percentile, None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]

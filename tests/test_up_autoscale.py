@@ -1,0 +1,115 @@
+"""`ripplemesh up --autoscale` as a user runs it: a burst scales the pools up, the calm drains
+them down and to zero, and the next request brings a worker back; the official openai client
+counts every token, and the ledger every request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import nats
+import openai
+import pytest
+
+from schemas.events import ScalingDecision, decode_event
+from schemas.subjects import WORKERS, event_subject
+from services.mesh.config import DEFAULT_CONFIG
+from services.mesh.nats_auth import load_credentials
+from tests.test_up import running_up
+
+pytestmark = pytest.mark.timeout(240)
+
+AUTOSCALER = """
+[autoscaler]
+interval_s = 1.0
+scale_down_delay_s = 4.0
+idle_to_zero_s = 12.0
+"""
+
+
+async def stream(api: openai.AsyncOpenAI, i: int, max_tokens: int) -> tuple[int, int | None]:
+    """Content chunks received and the usage's completion tokens (one token per chunk)."""
+    chunks, usage = 0, None
+    response = await api.chat.completions.create(
+        model="llama-3-8b",
+        messages=[{"role": "user", "content": f"request {i}: " + "tell me about the sea " * 40}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in response:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        chunks += sum(1 for c in chunk.choices if c.delta.content)
+    return chunks, usage
+
+
+async def test_a_burst_scales_up_the_calm_drains_to_zero_and_a_request_brings_a_worker_back(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "ripplemesh.toml"
+    config.write_text(DEFAULT_CONFIG.read_text() + AUTOSCALER)
+    args = ("--autoscale", "--config", str(config), "--time-scale", "3", "--max-workers", "3")
+    with running_up(tmp_path, *args) as up:
+        nats_url = up.ready_line.split()[2]
+        creds = load_credentials(up.data_dir / "credentials" / "services.json")
+        nc = await nats.connect(servers=nats_url.split(","), **creds.connect_options())
+        decisions: list[ScalingDecision] = []
+
+        async def on_decision(msg) -> None:  # type: ignore[no-untyped-def]
+            event = decode_event(msg.data)
+            assert isinstance(event, ScalingDecision)
+            decisions.append(event)
+
+        await nc.subscribe(event_subject("scaling"), cb=on_decision)
+        await nc.flush()
+        api = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{up.port}/v1", api_key="rm-demo-key", max_retries=0, timeout=120
+        )
+        try:
+            # A burst: 60 streams at once on one prefill and one decode worker.
+            burst = await asyncio.gather(*(stream(api, i, 100) for i in range(60)))
+            assert all(chunks == usage for chunks, usage in burst)  # no token lost or doubled
+            assert all(usage == 100 for _, usage in burst)
+            grew = [d for d in decisions if any(p.add for p in d.pools)]
+            assert grew, [p.reason for d in decisions for p in d.pools]
+            added = {p.pool for d in grew for p in d.pools if p.add}
+            assert "prefill-H100" in added  # 60 prompts of ~400 tokens at once: prefill first
+            # A worker started by a plan names it.
+            kv = await nc.jetstream().key_value(WORKERS.bucket)
+            started_by = set()
+            for key in await kv.keys():
+                entry = await kv.get(key)
+                assert entry.value is not None
+                state = json.loads(entry.value)
+                if state.get("scaling_decision"):
+                    started_by.add(state["scaling_decision"])
+            assert started_by & {d.event_id for d in grew}
+
+            # The calm: drained down, then to zero once idle.
+            deadline = time.monotonic() + 90
+            while not (decisions and all(p.serving + p.warming == 0 for p in decisions[-1].pools)):
+                assert time.monotonic() < deadline, [p.reason for p in decisions[-1].pools]
+                await asyncio.sleep(0.5)
+            drained = [r for d in decisions for p in d.pools for r in p.remove]
+            assert len(drained) >= 2 and any("to zero" in p.reason for d in decisions for p in d.pools)
+
+            # From zero: the next requests are held, a worker starts, they are served.
+            started = time.monotonic()
+            again = await asyncio.gather(*(stream(api, 100 + i, 20) for i in range(2)))
+            assert all(chunks == usage == 20 for chunks, usage in again)
+            assert time.monotonic() - started < 30
+            assert any(d.trigger == "held" and any(p.add for p in d.pools) for d in decisions)
+        finally:
+            await api.close()
+            await nc.close()
+        # The ledger counts every request, once.
+        await asyncio.sleep(2)
+        with sqlite3.connect(up.data_dir / "ledger.db") as db:
+            rows = db.execute("select status, count(*) from request_costs group by status").fetchall()
+        assert dict(rows) == {"completed": 62}
+        status = json.loads((up.data_dir / "supervisor.json").read_text())["children"]
+        assert not any(c["state"] == "gave_up" for c in status.values())
