@@ -259,3 +259,30 @@ def test_any_plan_keeps_the_limits_the_budget_and_drains_only_its_own_replicas(
             assert p.cost_per_hour <= budget + 1e-6
         sizes_now = [d.desired for d in p.pools]
         replicas = [r for p_, n in zip(pools, sizes_now, strict=True) for r in serving(p_.name, n)]
+
+
+def test_prompts_are_prefilled_where_that_and_the_kv_hand_off_cost_least() -> None:
+    pools = [
+        pool("prefill-l40s", role="prefill", gpu_type="L40S", price=1.0, min_replicas=0, max_replicas=8),
+        pool("decode-h200", gpu_type="H200", price=4.0, min_replicas=0, max_replicas=8),
+    ]
+    windows = [window(t, 10.0, prompt=4000, output=100) for t in (5, 10)]
+    # The KV of a 4,000-token prompt is about 0.5 GB: at $0.01/GB its hand-off costs more than
+    # the decode GPU's prefill saves; free, the cheap prefill GPU takes the prompts.
+    _, dear = run(pools, windows, settings_=Settings(kv_transfer_usd_per_gb=0.01))
+    assert dear.pool("prefill-l40s").desired == 0 and "aggregated" in dear.pool("prefill-l40s").reason
+    assert dear.pool("decode-h200").desired >= 1
+    _, free = run(pools, windows, settings_=Settings(kv_transfer_usd_per_gb=0.0))
+    assert free.pool("prefill-l40s").desired >= 1
+
+
+def test_a_plan_woken_right_after_another_does_not_read_its_short_window_as_a_rate() -> None:
+    pools = [pool("decode-h100", max_replicas=16)]
+    state, _ = run(pools, [window(t, 5.0) for t in (5, 10)])
+    one_request = Window(start=10.0, end=10.001, arrivals=1, prompt_tokens=2000, output_tokens=0)
+    after, p = plan(
+        state, [Observation(MODEL, one_request, held=0)], pools, serving("decode-h100", 2), DEFAULTS, 10.001
+    )
+    assert after.forecasts[MODEL] == state.forecasts[MODEL]
+    assert p.models[0].observed_rate == pytest.approx(state.forecasts[MODEL].level, rel=1e-3)
+    assert not p.pool("decode-h100").add

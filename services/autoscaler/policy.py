@@ -102,6 +102,9 @@ class Settings:
     idle_to_zero_s: float = 300.0
     budget_per_hour: float | None = None
     max_reactive_factor: float = 2.0
+    # A prompt's KV handed from a prefill to a decode worker costs this (the ledger prices it
+    # so): 0 plans disaggregated whenever the model has prefill pools.
+    kv_transfer_usd_per_gb: float = 0.0
     forecast: ForecastSettings = field(default_factory=ForecastSettings)
 
     def __post_init__(self) -> None:
@@ -190,6 +193,8 @@ def plan(
     for model in {p.model for p in pools}:
         busy_at.setdefault(model, now)  # first planned now: idle counts from here
     for model, observation in seen.items():
+        if not _long_enough(observation, settings):
+            continue  # a plan woken right after another: too short a window to say a rate
         forecasts[model] = forecasts.get(model, ModelForecast()).observe(
             observation.window, settings.forecast
         )
@@ -236,6 +241,11 @@ def plan(
 # ---------------------------------------------------------------- load
 
 
+def _long_enough(observation: Observation, settings: Settings) -> bool:
+    window = observation.window
+    return window.end - window.start >= 0.5 * settings.interval_s
+
+
 def _outlook(
     model: str,
     members: Sequence[Pool],
@@ -245,13 +255,18 @@ def _outlook(
     now: float,
 ) -> ModelOutlook:
     horizon = max(p.startup_s for p in members) + settings.interval_s
-    observed = observation.window.rate if observation is not None else forecast.level
+    long_enough = observation is not None and _long_enough(observation, settings)
+    observed = observation.window.rate if observation is not None and long_enough else forecast.level
     ahead = forecast.predict(now + horizon, settings.forecast)
     rate = max(observed, ahead)
     uncached = forecast.mean_prompt * (1.0 - forecast.hit_rate)
     queued = observation.queued_prompt_tokens if observation is not None else 0
     held = observation.held if observation is not None else 0
-    prefill_load = rate * uncached + (queued + held * uncached) / settings.slo.ttft_s
+    # The backlog on the workers clears within the TTFT SLO; held requests (no replica yet)
+    # wait for one to start anyway, so theirs is spread over the start-up horizon.
+    prefill_load = (
+        rate * uncached + queued / settings.slo.ttft_s + held * uncached / max(settings.slo.ttft_s, horizon)
+    )
     decode_load = rate * forecast.mean_output
     return ModelOutlook(
         model=model,
@@ -291,27 +306,32 @@ def _allocate(
     settings: Settings,
     now: float,
 ) -> dict[str, _Target]:
-    disaggregated = any(p.role == "prefill" for p in members)
     uncached = outlook.mean_prompt * (1.0 - outlook.hit_rate)
     context = outlook.mean_prompt + outlook.mean_output / 2.0
+    disaggregated, mode_reason = _serving_mode(members, uncached, context, settings)
     idle = busy_at is not None and now - busy_at >= settings.idle_to_zero_s
     targets: dict[str, _Target] = {}
     for role in ("prefill", "decode"):
         group = [p for p in members if p.role == role]
         if not group:
             continue
+        if role == "prefill" and not disaggregated:
+            for p in group:  # the decode pools serve the prompts: these stay at their minimum
+                reason = f"{mode_reason}; kept at its minimum"
+                targets[p.name] = _Target(p.min_replicas, p.min_replicas, 0.0, 0.0, p.min_replicas, [reason])
+            continue
         capacities = {
             p.name: replica_capacity(p.profile, uncached_prompt=uncached, context=context, slo=settings.slo)
             for p in group
         }
-        warming = sum(1 for p in group for r in by_pool[p.name] if r.state == "warming")
-        factor, why = _reactive(outlook, role, disaggregated, warming, settings)
+        factor, why = _reactive(outlook, role, disaggregated, settings)
 
         needs = {p.name: _share(outlook, role, disaggregated, capacities[p.name]) * factor for p in group}
         up = _fill(group, needs, 1.0)
         down = _fill(group, needs, 1.0 / settings.scale_down_band)
         if factor > 1.0:
             # Measured over the SLO: the pools as they are fall short, whatever the profile says.
+            # Replicas warming count towards it: they are capacity coming, not more needed.
             running = sum(1 for p in group for r in by_pool[p.name] if r.state == "serving")
             _grow_to(group, up, math.ceil(running * factor - 1e-9), needs)
             for name, size in up.items():
@@ -348,6 +368,36 @@ def _allocate(
     return targets
 
 
+def _serving_mode(
+    members: Sequence[Pool], uncached: float, context: float, settings: Settings
+) -> tuple[bool, str]:
+    """Disaggregated (prefill pools take the prompts) or aggregated (decode pools take both):
+    disaggregated when the model has prefill pools and a prompt's prefill on the cheapest of
+    them, plus handing its KV to a decode worker, costs less than prefilling it on the
+    cheapest decode pool. (The ITL that disaggregation protects is the SLO's business: the
+    aggregated capacity accounts for prefill time on the decode replicas.)"""
+    prefill = [p for p in members if p.role == "prefill" and p.max_replicas > 0]
+    decode = [p for p in members if p.role == "decode" and p.max_replicas > 0]
+    if not prefill:
+        return False, "aggregated: no prefill pool"
+    if not decode or settings.kv_transfer_usd_per_gb <= 0:
+        return True, "disaggregated"
+
+    def prefill_usd(pool: Pool) -> float:
+        cap = replica_capacity(pool.profile, uncached_prompt=uncached, context=context, slo=settings.slo)
+        if cap.prefill_at_slo <= 0:
+            return math.inf
+        return uncached / cap.prefill_at_slo * pool.price_per_hour / 3600.0
+
+    kv_bytes = uncached * min(p.profile.perf.model.kv_bytes_per_token for p in decode)
+    hand_off = kv_bytes / 1e9 * settings.kv_transfer_usd_per_gb
+    apart = min(prefill_usd(p) for p in prefill) + hand_off
+    together = min(prefill_usd(p) for p in decode)
+    if apart < together:
+        return True, f"disaggregated: prefill + KV hand-off ${apart:.2e} < ${together:.2e} on decode"
+    return False, f"aggregated: prefill + KV hand-off ${apart:.2e} >= ${together:.2e} on decode"
+
+
 def _share(outlook: ModelOutlook, role: Role, disaggregated: bool, cap: ReplicaCapacity) -> float:
     """Replicas of one capacity that would carry this role's whole load."""
     if role == "prefill":
@@ -364,11 +414,9 @@ def _per(load: float, per_replica: float) -> float:
 
 
 def _reactive(
-    outlook: ModelOutlook, role: Role, disaggregated: bool, warming: int, settings: Settings
+    outlook: ModelOutlook, role: Role, disaggregated: bool, settings: Settings
 ) -> tuple[float, list[str]]:
     """The factor the role's load is scaled by where a measured latency is over its SLO."""
-    if warming:
-        return 1.0, []  # capacity is coming already
     if outlook.observed_rate == 0 and outlook.held == 0:
         return 1.0, []  # latencies of requests from a load that has gone
     measured: list[tuple[str, float | None, float]] = []

@@ -243,8 +243,10 @@ class AutoscalerService:
         for worker in self.workers.values():
             queued[worker.model] = queued.get(worker.model, 0) + (worker.queued_tokens or 0)
             in_flight[worker.model] = in_flight.get(worker.model, 0) + worker.running + worker.queue_depth
+        # A plan woken right after another sees the window so far, which goes on accumulating.
+        long_enough = now - self.meter.started_at >= 0.5 * self.config.interval_s
         observations = self.meter.close(
-            now, models, queued_prompt_tokens=queued, in_flight=in_flight, held=held
+            now, models, queued_prompt_tokens=queued, in_flight=in_flight, held=held, reset=long_enough
         )
         replicas = self._replicas(pools, actual)
         links, self._slow = self._slow, []
@@ -318,6 +320,7 @@ class AutoscalerService:
             scale_down_delay_s=c.scale_down_delay_s,
             idle_to_zero_s=c.idle_to_zero_s,
             budget_per_hour=c.budget_per_hour,
+            kv_transfer_usd_per_gb=self.runtime.config.kv_transfer_usd_per_gb if self.runtime else 0.0,
             forecast=ForecastSettings(season_s=c.season_s),
         )
 

@@ -10,6 +10,7 @@ Events name a worker, not a model: the model is the worker's, from its heartbeat
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
@@ -21,10 +22,12 @@ TTFTS_KEPT = 100_000
 
 
 def p90(values: list[float]) -> float | None:
+    """The nearest-rank 90th percentile, None for no values (the mesh's windows and the
+    simulator's alike)."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 @dataclass
@@ -93,8 +96,10 @@ class TrafficMeter:
         queued_prompt_tokens: dict[str, int],
         in_flight: dict[str, int],
         held: dict[str, int],
+        reset: bool = True,
     ) -> list[Observation]:
-        """The window's observations, one per model, and a new window from `now`."""
+        """The window's observations, one per model, and (`reset`) a new window from `now`;
+        without, the traffic goes on accumulating (a plan woken right after another)."""
         observations = []
         for model in models:
             tally = self._tallies.get(model, _Tally())
@@ -121,6 +126,7 @@ class TrafficMeter:
                     in_flight=in_flight.get(model, 0),
                 )
             )
-        self._tallies = defaultdict(_Tally)
-        self.started_at = now
+        if reset:
+            self._tallies = defaultdict(_Tally)
+            self.started_at = now
         return observations

@@ -20,7 +20,6 @@ on its module at each plan, never copied here (tests patch the policy module).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -57,7 +56,6 @@ class _Ripple:
         self.settings = settings
         self.interval_s = settings.interval_s
         self.state = autoscaler_policy.PlannerState()
-        self.first = True
 
     def plan(
         self,
@@ -67,14 +65,6 @@ class _Ripple:
         queued: Mapping[str, int],
         now: float,
     ) -> Plan:
-        if self.first:
-            # A fresh planner takes a model it has never seen busy as idle, and would drain a
-            # running fleet (whose pools allow zero) at its first plan: a model with replicas
-            # counts as busy when the planner starts.
-            self.first = False
-            running = {p.model for p in pools for r in replicas if r.pool == p.name}
-            busy = {model: now for model in sorted(running)}
-            self.state = dataclasses.replace(self.state, busy_at={**busy, **self.state.busy_at})
         self.state, result = autoscaler_policy.plan(
             self.state, observations, pools, replicas, self.settings, now
         )
@@ -143,12 +133,13 @@ def _changes(spec: str, cls: Any, skip: tuple[str, ...]) -> dict[str, Any]:
     return changes
 
 
-def parse_autoscaler(spec: str, fleet: FleetSpec) -> Autoscaler:
-    """The autoscaler `spec` names (module docstring), set up for `fleet`."""
+def parse_autoscaler(spec: str, fleet: FleetSpec, kv_usd_per_gb: float = 0.0) -> Autoscaler:
+    """The autoscaler `spec` names (module docstring), set up for `fleet`; the ripple policy
+    weighs a KV hand-off at `kv_usd_per_gb`, as the simulated ledger prices it."""
     name, _, rest = spec.partition(":")
     name = name.strip()
     if name == "ripple":
-        settings = fleet.settings()
+        settings = dataclasses.replace(fleet.settings(), kv_transfer_usd_per_gb=kv_usd_per_gb)
         changes = _changes(rest, autoscaler_policy.Settings, ("slo", "forecast"))
         return _Ripple(spec, dataclasses.replace(settings, **changes))
     if name == "dynamo-sla":
@@ -178,11 +169,3 @@ class TrafficWindow:
         self.completed = 0
         self.ttfts: list[float] = []
         self.itls: list[float] = []
-
-
-def p90(values: list[float]) -> float | None:
-    """The nearest-rank 90th percentile, None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]

@@ -12,11 +12,12 @@ import itertools
 from services.autoscaler.capacity import EngineProfile
 from services.autoscaler.forecast import Window
 from services.autoscaler.policy import Observation, Plan, Pool, Replica, ReplicaState
+from services.autoscaler.traffic import p90
 from services.ledger import pricing
 from services.router.policy import WorkerView
 from services.router.speed import worker_speed
 from services.simulator.accounting import Accounting
-from services.simulator.autoscaling import TrafficWindow, p90
+from services.simulator.autoscaling import TrafficWindow
 from services.simulator.fleet import PoolSpec
 from services.simulator.metrics import FleetSample, PlanRecord, PoolPlanRecord
 from services.simulator.state import _AUTOSCALE, _IMPORT, _KICK, _PLAN, _READY, _STEP

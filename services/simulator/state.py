@@ -111,7 +111,7 @@ class SimState:
         self._pool_counter: dict[str, itertools.count[int]] = {}
         # The autoscaler (autoscaling.py): its plans, the traffic each observes, the replicas
         # it wants per pool, the pools as it sees them, and the requests held for a replica.
-        self.autoscaler = parse_autoscaler(self.options.autoscaler, fleet)
+        self.autoscaler = parse_autoscaler(self.options.autoscaler, fleet, self.kv_usd_per_gb)
         self._desired: dict[str, int] = {}
         self._profiles: dict[str, EngineProfile] = {}
         self._window = TrafficWindow()
