@@ -11,9 +11,10 @@ replica, or a measured SLO is missed):
 2. **Load**: uncached prompt tokens per second for prefill (the cache hit rate lowers it), output
    tokens per second for decode, plus the prompt backlog waiting to be prefilled, to clear within
    the TTFT SLO.
-3. **Reactive correction**: where a measured TTFT (or inter-token latency) is over its SLO and no
-   replica is warming for it already, the role's load is scaled by measured / SLO (at most
-   `max_reactive_factor`): the profile was optimistic, and a burst does not wait for the forecast.
+3. **Reactive correction**: where a measured TTFT (or inter-token latency) is over its SLO while
+   traffic arrives, the role grows to at least its serving replicas x measured / SLO (at most
+   `max_reactive_factor`), replicas warming counting towards it: the profile was optimistic,
+   and a burst does not wait for the forecast.
 4. **Allocation** (capacity.py): each pool's replicas cover a share of the load; a model with a
    prefill pool is disaggregated (prefill pools take the prompts, decode pools the outputs),
    otherwise its decode pools serve both. The pools of one role are filled cheapest per unit of
@@ -326,7 +327,9 @@ def _allocate(
         }
         factor, why = _reactive(outlook, role, disaggregated, settings)
 
-        needs = {p.name: _share(outlook, role, disaggregated, capacities[p.name]) * factor for p in group}
+        # The forecast's need as the profile says; a missed SLO scales the replicas serving (below),
+        # not the need, which would count the same shortfall twice while replicas warm.
+        needs = {p.name: _share(outlook, role, disaggregated, capacities[p.name]) for p in group}
         up = _fill(group, needs, 1.0)
         down = _fill(group, needs, 1.0 / settings.scale_down_band)
         if factor > 1.0:
