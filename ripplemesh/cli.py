@@ -13,6 +13,7 @@ from ripplemesh.commands.schemas import schemas
 from ripplemesh.commands.serve import _SERVICE_CLASSES, SERVICES, run, status, up
 from ripplemesh.commands.simulate import SIM_POLICIES, simulate, sweep
 from ripplemesh.commands.submit import submit
+from ripplemesh.commands.subscribers import run_subscriber
 from ripplemesh.commands.trace import trace
 
 __all__ = ["ENGINE_CHOICES", "SERVICES", "SIM_POLICIES", "_SERVICE_CLASSES", "main"]
@@ -23,5 +24,19 @@ def main() -> None:
     """ripplemesh: a control plane for LLM inference on a GPU fleet."""
 
 
-for command in (run, up, status, submit, drain, trace, bench, simulate, sweep, ledger, schemas, hash_key):
+for command in (
+    run,
+    up,
+    status,
+    submit,
+    drain,
+    trace,
+    bench,
+    simulate,
+    sweep,
+    ledger,
+    schemas,
+    hash_key,
+    run_subscriber,
+):
     main.add_command(command)

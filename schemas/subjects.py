@@ -130,6 +130,10 @@ class ConsumerSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_ack_pending: int = 1024
     # Durable consumers of workers that vanish for good are removed by the server after this.
     inactive_threshold_s: float | None = None
+    # Where a new consumer starts in its stream: every message kept ("all"), only those
+    # published from now ("new"), or those from `start_time` (seconds since the epoch) on.
+    deliver: Literal["all", "new", "by_start_time"] = "all"
+    start_time: float | None = None
 
 
 REQUESTS = StreamSpec(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import os
 import time
@@ -165,12 +166,23 @@ def _stream_config(spec: StreamSpec, replicas: int = 1) -> jsapi.StreamConfig:
     )
 
 
+_DELIVER = {
+    "all": jsapi.DeliverPolicy.ALL,
+    "new": jsapi.DeliverPolicy.NEW,
+    "by_start_time": jsapi.DeliverPolicy.BY_START_TIME,
+}
+
+
 def consumer_config(spec: ConsumerSpec) -> jsapi.ConsumerConfig:
+    start = None
+    if spec.deliver == "by_start_time":
+        start = datetime.datetime.fromtimestamp(spec.start_time or 0.0, tz=datetime.UTC)
     return jsapi.ConsumerConfig(
         durable_name=spec.durable,
         filter_subject=spec.filter_subject,
         ack_policy=jsapi.AckPolicy.EXPLICIT,
-        deliver_policy=jsapi.DeliverPolicy.ALL,
+        deliver_policy=_DELIVER[spec.deliver],
+        opt_start_time=start,
         ack_wait=spec.ack_wait_s,
         max_deliver=spec.max_deliver,
         max_ack_pending=spec.max_ack_pending,

@@ -1,0 +1,202 @@
+"""Subscribers: your own service on the mesh's event stream, in a few lines.
+
+    from ripplemesh.subscriber import Subscriber
+    from schemas.events import PrefillCompleted
+
+    alerts = Subscriber("cache-alerts")
+
+    @alerts.on(PrefillCompleted)
+    async def prefilled(event: PrefillCompleted, context: Context) -> None:
+        ...
+
+and `ripplemesh run-subscriber mymodule:alerts`. A subscriber reads the lifecycle events
+(``rmesh.events.>``: every routing, admission, prefill, decode, failure and scaling decision)
+through the same consume loop the mesh's own services use (services/mesh/consumer.py):
+
+- a durable JetStream consumer named after it (restarted, it goes on where it stopped; with
+  `durable=False` a fresh one each run), starting from `start_from`: "new", "all" (what the
+  stream keeps: LIFECYCLE holds 7 days) or a `datetime`;
+- at-least-once: a message is acked once its handler returned; an event already handled
+  (its `event_id`) is skipped if redelivered; `Context.event_id` for your own idempotency;
+- a handler that raises is retried with backoff, then dead-lettered to ``rmesh.dlq.LIFECYCLE``
+  with the reason; one that runs past `handler_timeout_s` counts as raising; raise
+  `PermanentError` to dead-letter at once; a message that does not decode is dead-lettered;
+  events no handler wants are acked and skipped. A subscriber never dies on a bad message;
+- the handler runs in a span continuing the event's trace, and is counted in
+  ``ripplemesh_subscriber_events_total{subscriber,handler,outcome}`` and timed in
+  ``ripplemesh_subscriber_handler_seconds``;
+- `Context.publish` sends an event back (a control event, say); stopping (SIGTERM, or the
+  `stop` event of `run`) lets handlers in flight finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from prometheus_client import Counter, Histogram
+
+from schemas.events import Event, LifecycleEvent
+from schemas.subjects import LIFECYCLE, PREFIX, ConsumerSpec
+from services.mesh.bus import Bus
+from services.mesh.consumer import Consumer, Delivery, PermanentError
+from services.mesh.nats_auth import NatsCredentials, load_credentials
+
+__all__ = ["Context", "PermanentError", "Subscriber", "run_subscribers"]
+
+EVENTS = Counter(
+    "ripplemesh_subscriber_events_total",
+    "Events a subscriber's handlers took, by outcome (ok, error, timeout, skipped).",
+    ["subscriber", "handler", "outcome"],
+)
+HANDLER_SECONDS = Histogram(
+    "ripplemesh_subscriber_handler_seconds",
+    "Time a subscriber's handler took.",
+    ["subscriber", "handler"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+
+StartFrom = Literal["new", "all"] | datetime.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a handler gets beside its event."""
+
+    subscriber: str
+    subject: str
+    event_id: str
+    delivered: int  # 1 the first time; more on a redelivery
+    bus: Bus
+
+    async def publish(self, subject: str, event: Event) -> None:
+        """Publish an event (acknowledged by the stream that keeps `subject`)."""
+        await self.bus.publish(subject, event)
+
+
+Handler = Callable[[Any, Context], Awaitable[None]]
+
+
+@dataclass
+class Subscriber:
+    name: str
+    start_from: StartFrom = "new"
+    durable: bool = True
+    handler_timeout_s: float = 30.0
+    max_inflight: int = 64
+    # A failing handler's event is delivered again after these delays, at most max_deliver
+    # times in all, then dead-lettered with the handler's error.
+    max_deliver: int = 5
+    retry_backoff_s: tuple[float, ...] = (0.1, 0.5, 2.0, 5.0)
+    handlers: dict[type, list[Handler]] = field(default_factory=dict)
+    consumer: Consumer[Any] | None = None
+    bus: Bus | None = None
+
+    def on(self, *event_types: type) -> Callable[[Handler], Handler]:
+        """Register a handler for these event types (schemas.events classes)."""
+        if not event_types:
+            raise TypeError("on() needs at least one event type")
+
+        def register(handler: Handler) -> Handler:
+            for event_type in event_types:
+                self.handlers.setdefault(event_type, []).append(handler)
+            return handler
+
+        return register
+
+    def spec(self) -> ConsumerSpec:
+        durable = self.name if self.durable else f"{self.name}-{int(time.time() * 1000)}"
+        if isinstance(self.start_from, datetime.datetime):
+            deliver: Literal["all", "new", "by_start_time"] = "by_start_time"
+            start_time: float | None = self.start_from.timestamp()
+        else:
+            deliver, start_time = self.start_from, None
+        return ConsumerSpec(
+            durable=f"sub-{durable}",
+            stream=LIFECYCLE.name,
+            filter_subject=f"{PREFIX}.events.>",
+            ack_wait_s=max(10.0, self.handler_timeout_s * 1.5),
+            max_deliver=self.max_deliver,
+            backoff_s=self.retry_backoff_s,
+            inactive_threshold_s=None if self.durable else 300.0,
+            deliver=deliver,
+            start_time=start_time,
+        )
+
+    async def start(self, bus: Bus) -> None:
+        if not self.handlers:
+            raise ValueError(f"subscriber {self.name!r} has no handler (use @subscriber.on(EventType))")
+        self.bus = bus
+        consumer: Consumer[Any] = Consumer(
+            bus, self.spec(), LifecycleEvent, self._dispatch, max_inflight=self.max_inflight
+        )
+        await consumer.start()
+        self.consumer = consumer
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        if self.consumer is not None:
+            await self.consumer.stop(grace_s)
+            self.consumer = None
+
+    async def _dispatch(self, event: Any, delivery: Delivery) -> None:
+        assert self.bus is not None
+        handlers = self.handlers.get(type(event), [])
+        if not handlers:
+            EVENTS.labels(self.name, "-", "skipped").inc()
+            return
+        context = Context(
+            self.name, delivery.subject, getattr(event, "event_id", ""), delivery.num_delivered, self.bus
+        )
+        for handler in handlers:
+            label = getattr(handler, "__name__", "handler")
+            started = time.perf_counter()
+            try:
+                await asyncio.wait_for(handler(event, context), self.handler_timeout_s)
+            except TimeoutError:
+                EVENTS.labels(self.name, label, "timeout").inc()
+                raise RuntimeError(f"handler {label} ran past {self.handler_timeout_s:g} s") from None
+            except Exception:
+                EVENTS.labels(self.name, label, "error").inc()
+                raise
+            finally:
+                HANDLER_SECONDS.labels(self.name, label).observe(time.perf_counter() - started)
+            EVENTS.labels(self.name, label, "ok").inc()
+
+
+async def run_subscribers(
+    subscribers: list[Subscriber],
+    *,
+    nats_url: str,
+    credentials: NatsCredentials | Path | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run subscribers until `stop` is set (or SIGTERM/SIGINT when none is given)."""
+    if isinstance(credentials, Path):
+        credentials = load_credentials(credentials)
+    bus = await Bus.connect(nats_url, "subscriber", credentials=credentials)
+    stop = stop or _stop_on_signals()
+    try:
+        for subscriber in subscribers:
+            await subscriber.start(bus)
+        await stop.wait()
+    finally:
+        for subscriber in subscribers:
+            with contextlib.suppress(Exception):
+                await subscriber.stop()
+        await bus.close()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
