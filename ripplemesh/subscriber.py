@@ -25,8 +25,9 @@ through the same consume loop the mesh's own services use (services/mesh/consume
 - the handler runs in a span continuing the event's trace, and is counted in
   ``ripplemesh_subscriber_events_total{subscriber,handler,outcome}`` and timed in
   ``ripplemesh_subscriber_handler_seconds``;
-- `Context.publish` sends an event back (a control event, say); stopping (SIGTERM, or the
-  `stop` event of `run`) lets handlers in flight finish.
+- `Context.publish` sends an event back; `Context.throttle_tenant` is the documented control
+  subject admission honours (a tenant's new requests refused until a time); stopping (SIGTERM,
+  or the `stop` event of `run`) lets handlers in flight finish.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from nats.js.errors import KeyNotFoundError
 from prometheus_client import Counter, Histogram
 
-from schemas.events import Event, LifecycleEvent
-from schemas.subjects import LIFECYCLE, PREFIX, ConsumerSpec
+from schemas.events import Event, LifecycleEvent, TenantThrottle, encode_event, new_event_id
+from schemas.subjects import LIFECYCLE, PREFIX, TENANT_THROTTLES, ConsumerSpec
 from services.mesh.bus import Bus
 from services.mesh.consumer import Consumer, Delivery, PermanentError
 from services.mesh.nats_auth import NatsCredentials, load_credentials
@@ -79,6 +81,25 @@ class Context:
     async def publish(self, subject: str, event: Event) -> None:
         """Publish an event (acknowledged by the stream that keeps `subject`)."""
         await self.bus.publish(subject, event)
+
+    async def throttle_tenant(self, tenant: str, *, until: float, reason: str) -> None:
+        """The control subject admission honours: the tenant's new requests are refused (429,
+        Retry-After) until `until` (seconds since the epoch). Put in TENANT_THROTTLES."""
+        throttle = TenantThrottle(
+            event_id=new_event_id(),
+            occurred_at=time.time(),
+            tenant=tenant,
+            until=until,
+            reason=reason,
+            source=self.subscriber,
+        )
+        kv = await self.bus.key_value(TENANT_THROTTLES)
+        await kv.put(tenant, encode_event(throttle))
+
+    async def lift_throttle(self, tenant: str) -> None:
+        kv = await self.bus.key_value(TENANT_THROTTLES)
+        with contextlib.suppress(KeyNotFoundError):
+            await kv.delete(tenant)
 
 
 Handler = Callable[[Any, Context], Awaitable[None]]

@@ -596,6 +596,17 @@ class CapacityWanted(Event, frozen=True, kw_only=True, tag="capacity.wanted.v1")
     due_at: NonNegativeFloat | None = None  # the earliest held request's decision is due then
 
 
+class TenantThrottle(Event, frozen=True, kw_only=True, tag="tenant.throttle.v1"):
+    """A control event: a tenant's new requests are refused (429, with Retry-After) until
+    `until`. Put in the TENANT_THROTTLES bucket under the tenant by a subscriber (say, a budget
+    guard); admission honours the latest entry, and a deleted or lapsed one lifts it."""
+
+    tenant: Identifier
+    until: NonNegativeFloat
+    reason: str
+    source: str  # who set it: the subscriber's name
+
+
 class ScaleOrder(Event, frozen=True, kw_only=True, tag="autoscaler.scale.v1"):
     """The autoscaler to the process supervisor of `ripplemesh up --autoscale` (core NATS request
     on ``rmesh.control.launcher``): start `add` workers of `pool`, drain and stop `remove`. With
@@ -846,6 +857,7 @@ AnyEvent = (
     | CapacityWanted
     | ScaleOrder
     | LauncherFleet
+    | TenantThrottle
     | TokenChunk
     | StreamFinished
     | StreamFailed

@@ -290,6 +290,19 @@ def channels() -> tuple[Channel, ...]:
             consumers="Operators inspect (and replay) them; no service consumes them.",
         ),
         Channel(
+            id="tenantThrottles",
+            address=f"$KV.{subjects.TENANT_THROTTLES.bucket}.{_param('tenant')}",
+            title="Tenant throttles",
+            description="A control subject: a TenantThrottle put under a tenant makes admission "
+            "refuse the tenant's new requests (429, Retry-After) until its `until`; deleting the "
+            "entry lifts it.",
+            messages=(events.TenantThrottle,),
+            parameters={"tenant": _TENANT},
+            publishers="Subscribers that close a loop (examples/budget_guard.py).",
+            consumers="Admission, watching the bucket.",
+            kv_bucket=True,
+        ),
+        Channel(
             id="workerStates",
             address=f"$KV.{WORKERS.bucket}.{_param('worker')}",
             title="Worker states",

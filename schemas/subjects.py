@@ -199,7 +199,13 @@ ADMISSION_QUOTAS = KvBucketSpec(
     "tenant, shared by the admission replicas with compare-and-set; an entry expires an hour after "
     "its tenant's last request (its buckets are full again by then).",
 )
-KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS, WORKFLOW_SPEND, ADMISSION_QUOTAS)
+TENANT_THROTTLES = KvBucketSpec(
+    bucket="TENANT_THROTTLES",
+    ttl_s=7 * 24 * 3600.0,
+    description="Tenants whose new requests admission refuses until a time (TenantThrottle), keyed "
+    "by tenant: the control subject a subscriber closes a loop through (a budget guard).",
+)
+KV_BUCKETS: tuple[KvBucketSpec, ...] = (WORKERS, WORKFLOW_SPEND, ADMISSION_QUOTAS, TENANT_THROTTLES)
 
 # JetStream Object Store bucket for KV caches too large for one message (hf engine hand-off);
 # only the object's name travels on the bus, in `KvHandle.object_name`.

@@ -4,6 +4,7 @@ dead letters with the reason, durable positions, `ripplemesh run-subscriber`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from examples.cache_alerts import CacheWatch
 from ripplemesh import Context, Subscriber
 from schemas.events import DeadLetter, PrefillCompleted, RequestFailed, new_event_id
-from schemas.subjects import DLQ, LIFECYCLE, dlq_subject, event_subject
+from schemas.subjects import DLQ, LIFECYCLE, TENANT_THROTTLES, dlq_subject, event_subject
 from services.mesh.bus import Bus
 from services.mesh.embedded_nats import EmbeddedNats
 
@@ -222,3 +223,93 @@ def test_run_subscriber_joins_the_mesh_with_the_example_and_stops_on_sigterm(
             process.kill()
     assert process.returncode == 0, output
     assert "prefix-cache hit rate dropped" in output and "L40S" in output
+
+
+def test_a_throttle_holds_while_in_force_and_says_why() -> None:
+    from schemas.events import TenantThrottle
+    from services.admission.policy import throttled
+
+    throttle = TenantThrottle(
+        event_id="t1",
+        occurred_at=0.0,
+        tenant="acme",
+        until=1000.0,
+        reason="daily budget $5 spent",
+        source="guard",
+    )
+    rejected = throttled({"acme": throttle}, "acme", 400.0)
+    assert rejected is not None and rejected.reason == "quota" and rejected.retry_after_s == 600.0
+    assert "by guard: daily budget $5 spent" in rejected.message
+    assert throttled({"acme": throttle}, "acme", 1000.0) is None  # lapsed
+    assert throttled({"acme": throttle}, "tiny", 400.0) is None
+
+
+def test_the_budget_guard_prices_as_the_ledger_and_throttles_once_a_day() -> None:
+    from examples.budget_guard import BudgetGuard, next_midnight_utc
+
+    guard = BudgetGuard({"acme": 1.0}, {"H100": 3.6})
+    day = 1_800_000_000.0  # a fixed moment
+    assert not guard.charge("acme", "H100", 900.0, day)  # $0.90
+    assert guard.charge("acme", "H100", 200.0, day + 1)  # $1.10: over, throttle
+    assert not guard.charge("acme", "H100", 200.0, day + 2)  # already throttled today
+    assert not guard.charge("other", "H100", 1e6, day)  # no budget set
+    assert not guard.charge("acme", "H999", 1.0, day)  # not priced: logged, not counted
+    assert 0 < next_midnight_utc(day) - day <= 86400
+
+
+async def test_a_budget_guard_closes_the_loop_admission_refuses_the_tenant_until_lifted(mesh) -> None:  # type: ignore[no-untyped-def]
+    """Through the whole mesh: a request is served, the guard sees its cost pass the tenant's
+    budget and throttles it; the next request gets a 429 saying why; lifted, it is served."""
+    import openai
+
+    from examples import budget_guard
+    from tests.conftest import TEST_KEY
+
+    guard = Subscriber(name(), start_from="new")
+    guard.handlers = budget_guard.guard.handlers
+    policy = budget_guard.policy
+    policy.daily_usd = {"acme": 0.0}  # any spend is over
+    policy.throttled.clear()
+    assert mesh.auth is not None
+    bus = await Bus.connect(mesh.url, "tests", credentials=mesh.auth.service)
+    api = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key=TEST_KEY, max_retries=0
+    )
+    await guard.start(bus)
+    try:
+        first = await api.chat.completions.create(
+            model="llama-3-8b", messages=[{"role": "user", "content": "spend something"}], max_tokens=8
+        )
+        assert first.choices[0].message.content
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                await api.chat.completions.create(
+                    model="llama-3-8b", messages=[{"role": "user", "content": "again"}], max_tokens=4
+                )
+            except openai.RateLimitError as exc:
+                assert "throttled" in str(exc) and "daily budget $0 spent" in str(exc)
+                assert exc.response.headers.get("retry-after")
+                break
+            assert time.monotonic() < deadline, "the tenant was never throttled"
+            await asyncio.sleep(0.3)
+    finally:
+        kv = await bus.key_value(TENANT_THROTTLES)
+        with contextlib.suppress(Exception):
+            await kv.delete("acme")
+        await guard.stop()
+        policy.daily_usd = {}
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await api.chat.completions.create(
+                    model="llama-3-8b", messages=[{"role": "user", "content": "lifted"}], max_tokens=4
+                )
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline, "the throttle was never lifted"
+                await asyncio.sleep(0.3)
+    finally:
+        await api.close()
+        await bus.close()

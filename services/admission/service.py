@@ -45,6 +45,7 @@ from schemas.events import (
     RequestFailed,
     RequestPrepared,
     RequestRejected,
+    TenantThrottle,
     WorkerState,
     decode_event,
     derived_event_id,
@@ -54,6 +55,7 @@ from schemas.subjects import (
     ADMISSION_CONSUMER,
     ADMISSION_QUOTAS,
     PREFIX,
+    TENANT_THROTTLES,
     WORKERS,
     admitted_subject,
     event_subject,
@@ -81,6 +83,7 @@ from services.admission.policy import (
     prediction,
     saturation,
     take_outcomes,
+    throttled,
     validate,
     workflow_standing,
 )
@@ -126,6 +129,7 @@ HEARTBEAT_S = 1.0
 OWN_IDS_KEPT = 20_000
 
 _worker_decoder = msgspec.json.Decoder(WorkerState)
+_throttle_decoder = msgspec.json.Decoder(TenantThrottle)
 _encoder = msgspec.json.Encoder()
 
 
@@ -169,7 +173,10 @@ class AdmissionService:
         self._recent_admitted: deque[float] = deque()
         self._recent_finished: deque[float] = deque()
         self._own: OrderedDict[str, None] = OrderedDict()  # ids of RequestAdmitted we published
-        self._capacity_wanted_at: dict[str, float] = {}  # model -> last CapacityWanted published
+        self._capacity_wanted_at: dict[str, float] = {}
+        self._throttles: dict[
+            str, TenantThrottle
+        ] = {}  # tenant -> the latest control event  # model -> last CapacityWanted published
         self._subscriptions: list[Subscription] = []
         self._shapes: dict[str, str] = {}
 
@@ -188,6 +195,7 @@ class AdmissionService:
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
         runtime.spawn(self.kv_sync.run(), "kv-sync")
         runtime.spawn(self._watch_workers(), "watch-workers")
+        runtime.spawn(self._watch_throttles(), "watch-throttles")
         self.workflow_spend = WorkflowSpendView(runtime.bus)
         runtime.spawn(self.workflow_spend.run(), "workflow-spend")
         nc = runtime.bus.nc
@@ -242,6 +250,26 @@ class AdmissionService:
         }
 
     # ------------------------------------------------------------ the fleet's view
+
+    async def _watch_throttles(self) -> None:
+        """The TENANT_THROTTLES bucket (control events put by subscribers), watched like the
+        workers' heartbeats; an entry that does not decode is logged and ignored."""
+        assert self.runtime is not None
+        watch = HeartbeatWatch(await self.runtime.bus.key_value(TENANT_THROTTLES), silent_after_s=60.0)
+        async for entry in watch.updates():
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self._throttles.pop(entry.key, None)
+                continue
+            try:
+                throttle = _throttle_decoder.decode(entry.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("bad tenant throttle ignored", extra={"key": entry.key, "error": str(exc)})
+                continue
+            self._throttles[throttle.tenant] = throttle
+            log.info(
+                "tenant throttled",
+                extra={"tenant": throttle.tenant, "until": throttle.until, "by": throttle.source},
+            )
 
     async def _watch_workers(self) -> None:
         """The WORKERS bucket, watched as the router watches it (started again when it breaks or
@@ -351,6 +379,9 @@ class AdmissionService:
         rejected = validate(admission, quota, self.limits, now)
         if rejected is not None or quota is None:
             return rejected or Reject("invalid", f"unknown tenant {request.tenant!r}", None)
+        rejected = throttled(self._throttles, request.tenant, now)
+        if rejected is not None:
+            return rejected
         if self.limits.control == "none":
             return Admit()
         # The tenant's rate is when it sent, not when admission got to it: a backlog that an

@@ -83,6 +83,7 @@ from services.admission.policy.state import (
     AdmissionState,
     FleetLoad,
 )
+from services.admission.policy.throttle import throttled
 from services.admission.policy.types import (
     CLASS_RANK,
     CLASSES,
@@ -151,6 +152,7 @@ __all__ = [
     "saturation",
     "take_lease",
     "take_outcomes",
+    "throttled",
     "validate",
     "workflow_standing",
 ]
