@@ -2,7 +2,7 @@
 a pool's prefix-cache hit rate over its last `window` prefills falls below `threshold`.
 
     ripplemesh run-subscriber examples.cache_alerts:alerts --nats-url nats://127.0.0.1:4222 \\
-        --nats-credentials .ripplemesh/credentials/services.json
+        --nats-credentials .ripplemesh/credentials/subscribers.json
 
 An alert is a log line and the gauge `ripplemesh_example_cache_hit_rate{pool}`; replace `alert`
 to page someone. The pool is the worker's GPU type here (a PrefillCompleted names the worker and

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from examples.cache_alerts import CacheWatch
-from ripplemesh import Context, Subscriber
+from ripplemesh import Context, PermanentError, Subscriber
 from schemas.events import DeadLetter, PrefillCompleted, RequestFailed, new_event_id
 from schemas.subjects import DLQ, LIFECYCLE, TENANT_THROTTLES, dlq_subject, event_subject
 from services.mesh.bus import Bus
@@ -194,7 +194,7 @@ def test_run_subscriber_joins_the_mesh_with_the_example_and_stops_on_sigterm(
             "--nats-url",
             nats_server.url,
             "--nats-credentials",
-            str(nats_credentials["services"]),
+            str(nats_credentials["subscribers"]),
         ],
         cwd=Path(__file__).parents[1],
         stdout=subprocess.PIPE,
@@ -313,3 +313,60 @@ async def test_a_budget_guard_closes_the_loop_admission_refuses_the_tenant_until
     finally:
         await api.close()
         await bus.close()
+
+
+async def test_a_subscriber_has_a_user_of_its_own_that_reads_events_and_no_tenant_s_tokens(
+    bus: Bus, nats_server: EmbeddedNats
+) -> None:
+    import nats
+
+    from schemas.events import TokenChunk
+    from schemas.subjects import tokens_subject
+
+    assert nats_server.auth is not None and nats_server.auth.subscribers is not None
+    own = await Bus.connect(nats_server.url, "subscriber", credentials=nats_server.auth.subscribers)
+    got: list[str] = []
+    sub = Subscriber(name(), max_deliver=2, retry_backoff_s=(0.05,))
+
+    @sub.on(RequestFailed)
+    async def on_failed(event: RequestFailed, context: Context) -> None:
+        got.append(event.message)
+        if event.message == "throttle":
+            await context.throttle_tenant("tiny", until=time.time() + 1, reason="a test")
+            await context.lift_throttle("tiny")
+        if event.message == "raise":
+            raise PermanentError("no")
+
+    await sub.start(own)
+    try:
+        for message in ("hello", "throttle", "raise"):
+            await bus.publish(event_subject("failed"), failed(message))
+        await until(lambda: got == ["hello", "throttle", "raise"])
+        assert len(await dead_letters(bus, sub.spec().durable, 1)) == 1  # its dead letter went out
+        # No tenant's tokens: the server refuses the subscription.
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        spy = await nats.connect(
+            servers=nats_server.url, error_cb=on_error, **nats_server.auth.subscribers.connect_options()
+        )
+        seen: list[bytes] = []
+
+        async def on_token(msg) -> None:  # type: ignore[no-untyped-def]
+            seen.append(msg.data)
+
+        await spy.subscribe("rmesh.tokens.>", cb=on_token)
+        await spy.flush()
+        chunk = TokenChunk(
+            event_id=new_event_id(), occurred_at=time.time(), request_id="r1", seq=0, token_ids=[1], text="x"
+        )
+        await bus.nc.publish(tokens_subject("acme", "r1"), msgspec.json.encode(chunk))
+        await asyncio.sleep(0.5)
+        await spy.close()
+        assert seen == []
+        assert any("permissions violation" in str(e).lower() for e in errors), errors
+    finally:
+        await sub.stop()
+        await own.close()

@@ -293,6 +293,12 @@ def up(
     nodes = f"{nats_cluster}-node cluster, R{mesh.replicas} streams" if nats_cluster > 1 else "one server"
     table.add_row("NATS", f"{mesh.url}  ({nodes})" if nats_url is None else mesh.url)
     for name, path in mesh.credential_files.items():
+        if name == "subscribers":
+            table.add_row(
+                "NATS user of subscribers",
+                f"{path}  (ripplemesh run-subscriber --nats-credentials {path} ...)",
+            )
+            continue
         what = "NATS user of the services" if name == "services" else f"NATS user of tenant {name}"
         table.add_row(what, f"{path}  (ripplemesh submit --nats-credentials {path} ...)")
     if auth is not None:

@@ -5,7 +5,11 @@ requests) and subscribe only to ``rmesh.tokens.<tenant>.>`` and its own inbox pr
 ``_INBOX_<tenant>`` (where the acks of its own publishes come back). It gets no JetStream API
 at all: a client reads its tokens through a core subscription, and when it misses some (a
 reconnect to another node) it asks the ingress, on its own request subject, to publish them
-again (`ReplayTokens`). The services share one user with every permission.
+again (`ReplayTokens`). The services share one user with every permission. Subscribers
+(ripplemesh/subscriber.py) get one of their own: they may read the lifecycle events through
+their own durable consumers (``sub-*`` on LIFECYCLE), dead-letter to ``rmesh.dlq.LIFECYCLE`` and
+put tenant throttles (the control subject admission honours), and nothing of any tenant's
+requests or token streams.
 
 The server stores only bcrypt hashes; the clear passwords live in credential files (mode 0600)
 that `ripplemesh up` writes under ``<data_dir>/credentials/``. A tenant may instead bring its own
@@ -24,11 +28,13 @@ from typing import Any
 
 import msgspec
 
-from schemas.subjects import request_subject, tenant_inbox_prefix, tenant_tokens_filter
+from schemas.subjects import LEDGER_CONSUMER, request_subject, tenant_inbox_prefix, tenant_tokens_filter
 from services.mesh.config import MeshConfig
 
 SERVICE_USER = "ripplemesh"
 ROUTE_USER = "ripplemesh-route"
+SUBSCRIBER_USER = "ripplemesh-subscribers"
+SUBSCRIBER_INBOX = "_INBOX_subscribers"
 # Generated secrets carry 256 bits of entropy, so bcrypt's work factor protects nothing that
 # brute force could reach; a low cost keeps each connect (the server checks the hash) cheap.
 GENERATED_BCRYPT_COST = 6
@@ -65,16 +71,17 @@ class NatsUser:
 
     user: str
     password_bcrypt: str
-    # None: every subject (the services); else {"publish": [...], "subscribe": [...]} allow-lists.
+    # None: every subject (the services); else {"publish": [...], "subscribe": [...]} allow-lists
+    # (and "deny_publish": exceptions to the publish list).
     allow: dict[str, list[str]] | None = None
 
     def server_entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"user": self.user, "password": self.password_bcrypt}
         if self.allow is not None:
-            entry["permissions"] = {
-                "publish": {"allow": self.allow["publish"]},
-                "subscribe": {"allow": self.allow["subscribe"]},
-            }
+            publish: dict[str, list[str]] = {"allow": self.allow["publish"]}
+            if self.allow.get("deny_publish"):
+                publish["deny"] = self.allow["deny_publish"]
+            entry["permissions"] = {"publish": publish, "subscribe": {"allow": self.allow["subscribe"]}}
         return entry
 
 
@@ -84,6 +91,7 @@ class NatsAuth:
 
     users: list[NatsUser]
     service: NatsCredentials
+    subscribers: NatsCredentials | None = None
     # Clear credentials of each tenant whose password was generated here.
     tenants: dict[str, NatsCredentials] = field(default_factory=dict)
     # Cluster routes authenticate with this user (a route is trusted with every subject).
@@ -111,6 +119,8 @@ class NatsAuth:
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o700)
         files = {"services": (self.service, directory / "services.json")}
+        if self.subscribers is not None:
+            files["subscribers"] = (self.subscribers, directory / "subscribers.json")
         for tenant, creds in self.tenants.items():
             files[tenant] = (creds, tenant_credentials_path(directory, tenant))
         return {
@@ -128,6 +138,41 @@ def tenant_permissions(tenant: str) -> dict[str, list[str]]:
     return {
         "publish": [request_subject(tenant)],
         "subscribe": [tenant_tokens_filter(tenant), f"{tenant_inbox_prefix(tenant)}.>"],
+    }
+
+
+def subscriber_permissions() -> dict[str, list[str]]:
+    """The subscribers' user: consumers on LIFECYCLE (create, fetch, ack) but not the mesh's own
+    (the ledger's), dead letters, the TENANT_THROTTLES control bucket, replies to its own
+    inbox; no tenant subject at all. (NATS matches whole subject tokens, so "consumers named
+    sub-*" cannot be said; the ledger's durable is denied by name instead.)"""
+    api = "$JS.API"
+    ledger = LEDGER_CONSUMER.durable
+    return {
+        "publish": [
+            f"{api}.INFO",
+            f"{api}.STREAM.INFO.LIFECYCLE",
+            f"{api}.CONSUMER.CREATE.LIFECYCLE.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.LIFECYCLE.*",
+            f"{api}.CONSUMER.INFO.LIFECYCLE.*",
+            f"{api}.CONSUMER.MSG.NEXT.LIFECYCLE.*",
+            "$JS.ACK.LIFECYCLE.>",
+            "rmesh.dlq.LIFECYCLE",
+            f"{api}.STREAM.INFO.KV_TENANT_THROTTLES",
+            f"{api}.DIRECT.GET.KV_TENANT_THROTTLES.>",
+            "$KV.TENANT_THROTTLES.>",
+        ],
+        "subscribe": [
+            f"{SUBSCRIBER_INBOX}.>",
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.LIFECYCLE.*",
+        ],
+        "deny_publish": [
+            f"{api}.CONSUMER.CREATE.LIFECYCLE.{ledger}",
+            f"{api}.CONSUMER.CREATE.LIFECYCLE.{ledger}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.LIFECYCLE.{ledger}",
+            f"{api}.CONSUMER.MSG.NEXT.LIFECYCLE.{ledger}",
+            f"$JS.ACK.LIFECYCLE.{ledger}.>",
+        ],
     }
 
 
@@ -153,12 +198,16 @@ def generate_auth(tenants: dict[str, str | None]) -> NatsAuth:
     A tenant without a configured hash gets a fresh random password.
     """
     service = NatsCredentials(user=SERVICE_USER, password=_secret())
-    users = [NatsUser(SERVICE_USER, hash_password(service.password))]
+    subscribers = NatsCredentials(user=SUBSCRIBER_USER, password=_secret(), inbox_prefix=SUBSCRIBER_INBOX)
+    users = [
+        NatsUser(SERVICE_USER, hash_password(service.password)),
+        NatsUser(SUBSCRIBER_USER, hash_password(subscribers.password), subscriber_permissions()),
+    ]
     clear: dict[str, NatsCredentials] = {}
     for tenant, configured_hash in sorted(tenants.items()):
         if not _SUBJECT_TOKEN.match(tenant):
             raise CredentialsError(f"tenant name {tenant!r} must be letters, digits, '_' or '-'")
-        if tenant in (SERVICE_USER, ROUTE_USER):
+        if tenant in (SERVICE_USER, ROUTE_USER, SUBSCRIBER_USER):
             raise CredentialsError(f"tenant name {tenant!r} is reserved for the mesh's own NATS users")
         if configured_hash is not None:
             if not is_bcrypt_hash(configured_hash):
@@ -169,7 +218,7 @@ def generate_auth(tenants: dict[str, str | None]) -> NatsAuth:
             clear[tenant] = creds
             digest = hash_password(creds.password)
         users.append(NatsUser(tenant, digest, tenant_permissions(tenant)))
-    return NatsAuth(users=users, service=service, tenants=clear)
+    return NatsAuth(users=users, service=service, subscribers=subscribers, tenants=clear)
 
 
 def save_credentials(creds: NatsCredentials, path: Path) -> Path:
