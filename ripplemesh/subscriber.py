@@ -119,6 +119,7 @@ class Subscriber:
     handlers: dict[type, list[Handler]] = field(default_factory=dict)
     consumer: Consumer[Any] | None = None
     bus: Bus | None = None
+    _children: dict[str, tuple[Any, Any, Any, Any, Any]] = field(default_factory=dict, repr=False)
 
     def on(self, *event_types: type) -> Callable[[Handler], Handler]:
         """Register a handler for these event types (schemas.events classes)."""
@@ -168,27 +169,43 @@ class Subscriber:
 
     async def _dispatch(self, event: Any, delivery: Delivery) -> None:
         assert self.bus is not None
-        handlers = self.handlers.get(type(event), [])
+        handlers = self.handlers.get(type(event))
         if not handlers:
-            EVENTS.labels(self.name, "-", "skipped").inc()
+            self._metrics("-")[2].inc()
             return
         context = Context(
             self.name, delivery.subject, getattr(event, "event_id", ""), delivery.num_delivered, self.bus
         )
         for handler in handlers:
             label = getattr(handler, "__name__", "handler")
+            ok, error, _, timeout, seconds = self._metrics(label)
             started = time.perf_counter()
             try:
-                await asyncio.wait_for(handler(event, context), self.handler_timeout_s)
+                # One timer, no task (wait_for would add one per event: this is every event's path).
+                async with asyncio.timeout(self.handler_timeout_s):
+                    await handler(event, context)
             except TimeoutError:
-                EVENTS.labels(self.name, label, "timeout").inc()
+                timeout.inc()
                 raise RuntimeError(f"handler {label} ran past {self.handler_timeout_s:g} s") from None
             except Exception:
-                EVENTS.labels(self.name, label, "error").inc()
+                error.inc()
                 raise
             finally:
-                HANDLER_SECONDS.labels(self.name, label).observe(time.perf_counter() - started)
-            EVENTS.labels(self.name, label, "ok").inc()
+                seconds.observe(time.perf_counter() - started)
+            ok.inc()
+
+    def _metrics(self, handler: str) -> tuple[Any, Any, Any, Any, Any]:
+        """The handler's counters (ok, error, skipped, timeout) and timer, looked up once."""
+        found = self._children.get(handler)
+        if found is None:
+            found = self._children[handler] = (
+                EVENTS.labels(self.name, handler, "ok"),
+                EVENTS.labels(self.name, handler, "error"),
+                EVENTS.labels(self.name, handler, "skipped"),
+                EVENTS.labels(self.name, handler, "timeout"),
+                HANDLER_SECONDS.labels(self.name, handler),
+            )
+        return found
 
 
 async def run_subscribers(

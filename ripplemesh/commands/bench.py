@@ -294,3 +294,15 @@ def bench_autoscale(
         )
     except (ValueError, msgspec.ValidationError) as exc:
         raise click.UsageError(str(exc)) from exc
+
+
+@bench.command("subscriber")
+@click.option("--events", "count", default=20000, show_default=True, help="Events of backlog to read.")
+@click.option("--rate", default=500.0, show_default=True, help="Live events per second.")
+@click.option("--seconds", default=10.0, show_default=True, help="Seconds of live events.")
+def bench_subscriber(count: int, rate: float, seconds: float) -> None:
+    """The subscriber SDK's consume path against the mesh's own consume loop: backlog events/s
+    and live lag, side by side, with their ratio."""
+    from ripplemesh.bench.subscriber import run_subscriber_bench
+
+    run_subscriber_bench(count=count, rate=rate, seconds=seconds, console=Console())
