@@ -7,13 +7,16 @@ ended, its prompt's block hashes) in Parquet files that pandas or duckdb read, a
 
 Each request's events are folded into its row as they come: the lifecycle events
 (``rmesh.events.>``, the subscriber's own consumer) and its `RequestPrepared` (``rmesh.prepared.*``
-on the REQUESTS stream, through a second consumer: the one event that carries the prompt, its
-block hashes, the model, `max_tokens` and `submitted_at`). A row is written once its request has
-ended (completed, failed, rejected or cancelled) and `settle_s` has passed, for the events of two
-streams (its RequestPrepared, a worker's WorkStopped) that come in another order; rows go out in
-batches (`flush_rows`, or every `flush_every_s`, and on stop) as ``part-<n>.parquet`` files,
-each written under a dot-name and renamed whole, so a reader of the directory never sees half a
-file.
+on the REQUESTS stream, through a second consumer: the one event that carries the prompt's
+length and block hashes, the model, `max_tokens` and `submitted_at`). So it runs as the
+services' NATS user: the subscribers' may not read REQUESTS (with
+``RIPPLEMESH_LIFECYCLE_PREPARED=0`` it does without, and its rows without those columns).
+
+A row is written once its request has ended (completed, failed, rejected or cancelled) and
+`settle_s` has passed, for the events of two streams (its RequestPrepared, a worker's
+WorkStopped) that come in another order; rows go out in batches (`flush_rows`, or every
+`flush_every_s`, and on stop) as ``part-<n>.parquet`` files, each written under a dot-name and
+renamed whole, so a reader of the directory never sees half a file.
 
 Idempotent: an event id already folded into a request is not folded again, and an event for a
 request already written is ignored (counted `late`). Bounded: a request that has not ended
@@ -65,6 +68,7 @@ from services.mesh.consumer import Consumer, Delivery
 log = logging.getLogger(__name__)
 
 DIR_ENV = "RIPPLEMESH_LIFECYCLE_DIR"
+PREPARED_ENV = "RIPPLEMESH_LIFECYCLE_PREPARED"
 DEFAULT_DIR = "lifecycle"
 STATE_FILE = "_state.msgpack"  # a leading "_" or ".": not read as data by pyarrow or a part-*.parquet glob
 MOONCAKE_BLOCK_TOKENS = 512  # what one of a Mooncake trace's hash ids covers (the simulator's loader)
@@ -420,12 +424,17 @@ class LifecycleExporter(Subscriber):
     settle_s: float = 2.0
     request_timeout_s: float = 900.0
     max_in_flight: int = 200_000
+    # The second consumer, on REQUESTS (prompt lengths, block hashes, model, max_tokens,
+    # submitted_at); the subscribers' NATS user may not read it. Default: $RIPPLEMESH_LIFECYCLE_PREPARED
+    # ("0": off), else on.
+    read_prepared: bool | None = None
     fold: LifecycleFold = field(init=False)
     writer: PartWriter | None = field(default=None, init=False)
     prepared_consumer: Consumer[RequestPrepared] | None = field(default=None, init=False)
     _flusher: asyncio.Task[None] | None = field(default=None, init=False)
     _wake: asyncio.Event | None = field(default=None, init=False)
     _stopping: bool = field(default=False, init=False)
+    _unwritten: int = field(default=0, init=False)  # the first row of the batch being written
 
     def __post_init__(self) -> None:
         self.fold = LifecycleFold(
@@ -435,6 +444,11 @@ class LifecycleExporter(Subscriber):
 
     def directory(self) -> Path:
         return self.out_dir if self.out_dir is not None else Path(os.environ.get(DIR_ENV, DEFAULT_DIR))
+
+    def reads_prepared(self) -> bool:
+        if self.read_prepared is not None:
+            return self.read_prepared
+        return os.environ.get(PREPARED_ENV, "1") != "0"
 
     def prepared_spec(self) -> ConsumerSpec:
         """The subscriber's own consumer, moved to REQUESTS's ``rmesh.prepared.*``."""
@@ -459,19 +473,26 @@ class LifecycleExporter(Subscriber):
 
     async def start(self, bus: Bus) -> None:
         self.writer = PartWriter(self.directory())
-        state = self.writer.directory / STATE_FILE
-        if self.durable and state.exists():  # what a stop left in flight; used once
-            self.fold.restore(msgspec.msgpack.decode(state.read_bytes(), type=SavedState))
-            state.unlink()
+        if self.durable:  # what a stop left in flight, taken up once
+            saved = await asyncio.to_thread(_take_state, self.writer.directory / STATE_FILE)
+            if saved is not None:
+                self.fold.restore(saved)
         self._stopping = False
         self._wake = asyncio.Event()
         self._flusher = asyncio.create_task(self._flush_loop(), name=f"flush-{self.name}")
         try:
-            consumer: Consumer[RequestPrepared] = Consumer(
-                bus, self.prepared_spec(), RequestPrepared, self._prepared, max_inflight=self.max_inflight
-            )
-            await consumer.start()
-            self.prepared_consumer = consumer
+            if self.reads_prepared():
+                consumer: Consumer[RequestPrepared] = Consumer(
+                    bus, self.prepared_spec(), RequestPrepared, self._prepared, max_inflight=self.max_inflight
+                )
+                try:
+                    await consumer.start()
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"{self.name}: no consumer on {REQUESTS.name} ({exc!r}): run it as the services' "
+                        f"NATS user, or with {PREPARED_ENV}=0 (rows without prompts' block hashes)"
+                    ) from exc
+                self.prepared_consumer = consumer
             await super().start(bus)
         except BaseException:
             await self.stop()
@@ -490,14 +511,9 @@ class LifecycleExporter(Subscriber):
             self._flusher = None
         if self.writer is None:
             return
-        rows = self.fold.take(everything=True)
-        if rows:
-            await asyncio.to_thread(self.writer.write, rows)
+        await self._write(self.fold.take(everything=True))
         if self.durable and (self.fold.open or self.fold.written):
-            saved = msgspec.msgpack.encode(self.fold.save())
-            partial = self.writer.directory / f".{STATE_FILE}.partial"
-            partial.write_bytes(saved)
-            os.replace(partial, self.writer.directory / STATE_FILE)
+            await asyncio.to_thread(_put_state, self.writer.directory / STATE_FILE, self.fold.save())
         elif self.fold.open:
             self.fold.dropped += len(self.fold.open)
             DROPPED.inc(len(self.fold.open))
@@ -515,7 +531,7 @@ class LifecycleExporter(Subscriber):
     async def _flush_loop(self) -> None:
         assert self._wake is not None and self.writer is not None
         last = time.monotonic()
-        tick = min(0.5, self.flush_every_s, self.settle_s or 0.5)
+        tick = max(0.05, min(0.5, self.flush_every_s, self.settle_s or 0.5))
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), tick)
@@ -525,15 +541,33 @@ class LifecycleExporter(Subscriber):
             if self.fold.ready and (due or len(self.fold.ready) >= self.flush_rows):
                 rows = self.fold.take()
                 try:
-                    await asyncio.to_thread(self.writer.write, rows)
-                except Exception:  # the disk is full, say: the rows go back to wait, the loop goes on
+                    await self._write(rows)
+                except Exception:  # the disk is full, say: the rows wait for the next try
                     log.exception("lifecycle export: a batch could not be written")
-                    self.fold.ready[:0] = [_state_of(row) for row in rows]
+                    self.fold.ready[:0] = [RequestState(**row) for row in rows[self._unwritten :]]
                 last = time.monotonic()
 
+    async def _write(self, rows: list[dict[str, Any]]) -> None:
+        """In files of `flush_rows` rows at most, off the event loop."""
+        assert self.writer is not None
+        for start in range(0, len(rows), self.flush_rows):
+            self._unwritten = start
+            await asyncio.to_thread(self.writer.write, rows[start : start + self.flush_rows])
+        self._unwritten = 0
 
-def _state_of(row: dict[str, Any]) -> RequestState:
-    return RequestState(**row)
+
+def _take_state(path: Path) -> SavedState | None:
+    if not path.exists():
+        return None
+    saved = msgspec.msgpack.decode(path.read_bytes(), type=SavedState)
+    path.unlink()  # a crash later must not bring these back a second time
+    return saved
+
+
+def _put_state(path: Path, saved: SavedState) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(msgspec.msgpack.encode(saved))
+    os.replace(partial, path)
 
 
 exporter = LifecycleExporter("lifecycle-export")

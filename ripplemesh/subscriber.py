@@ -120,6 +120,9 @@ class Subscriber:
     consumer: Consumer[Any] | None = None
     bus: Bus | None = None
     _children: dict[str, tuple[Any, Any, Any, Any, Any]] = field(default_factory=dict, repr=False)
+    _running: dict[asyncio.Task[Any], float] = field(default_factory=dict, repr=False)
+    _overdue: set[asyncio.Task[Any]] = field(default_factory=set, repr=False)
+    _watch: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def on(self, *event_types: type) -> Callable[[Handler], Handler]:
         """Register a handler for these event types (schemas.events classes)."""
@@ -161,11 +164,17 @@ class Subscriber:
         )
         await consumer.start()
         self.consumer = consumer
+        self._watch = asyncio.create_task(self._watchdog(), name=f"subscriber-{self.name}-watchdog")
 
     async def stop(self, grace_s: float = 10.0) -> None:
         if self.consumer is not None:
             await self.consumer.stop(grace_s)
             self.consumer = None
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
 
     async def _dispatch(self, event: Any, delivery: Delivery) -> None:
         assert self.bus is not None
@@ -176,23 +185,42 @@ class Subscriber:
         context = Context(
             self.name, delivery.subject, getattr(event, "event_id", ""), delivery.num_delivered, self.bus
         )
+        task = asyncio.current_task()
         for handler in handlers:
             label = getattr(handler, "__name__", "handler")
             ok, error, _, timeout, seconds = self._metrics(label)
             started = time.perf_counter()
+            # The watchdog (one task for the subscriber, not a timer per event: this is every
+            # event's path) cancels a handler past its time; that cancellation becomes its error.
+            if task is not None:
+                self._running[task] = started
             try:
-                # One timer, no task (wait_for would add one per event: this is every event's path).
-                async with asyncio.timeout(self.handler_timeout_s):
-                    await handler(event, context)
-            except TimeoutError:
+                await handler(event, context)
+            except asyncio.CancelledError:
+                if task is None or task not in self._overdue:
+                    raise  # stopping
+                self._overdue.discard(task)
+                task.uncancel()
                 timeout.inc()
                 raise RuntimeError(f"handler {label} ran past {self.handler_timeout_s:g} s") from None
             except Exception:
                 error.inc()
                 raise
             finally:
+                if task is not None:
+                    self._running.pop(task, None)
                 seconds.observe(time.perf_counter() - started)
             ok.inc()
+
+    async def _watchdog(self) -> None:
+        every = min(1.0, self.handler_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            late = time.perf_counter() - self.handler_timeout_s
+            for task, started in list(self._running.items()):
+                if started < late and task not in self._overdue:
+                    self._overdue.add(task)
+                    task.cancel()
 
     def _metrics(self, handler: str) -> tuple[Any, Any, Any, Any, Any]:
         """The handler's counters (ok, error, skipped, timeout) and timer, looked up once."""
