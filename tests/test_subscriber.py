@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -77,6 +78,9 @@ async def dead_letters(bus: Bus, consumer: str, expected: int, timeout_s: float 
         await asyncio.sleep(0.2)
 
 
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
 def name() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 
@@ -101,6 +105,10 @@ async def test_a_handler_gets_the_typed_events_it_asked_for_and_no_others(bus: B
         assert [event_id for _, event_id in seen] == [e.event_id for e in events]
         # The first full window (1,850 of 4,000 cached) is below 0.5: one alert, not one a prefill.
         assert watch.alerts == [("H100", pytest.approx(1850 / 4000))]
+        from prometheus_client import REGISTRY
+
+        labels = {"subscriber": sub.name, "handler": "prefilled", "outcome": "ok"}
+        assert REGISTRY.get_sample_value("ripplemesh_subscriber_events_total", labels) == len(events)
     finally:
         await sub.stop()
 
@@ -182,7 +190,7 @@ async def test_a_durable_subscriber_goes_on_where_it_stopped_and_start_from_pick
 
 
 def test_run_subscriber_joins_the_mesh_with_the_example_and_stops_on_sigterm(
-    nats_server: EmbeddedNats, nats_credentials: dict[str, Path]
+    nats_server: EmbeddedNats, nats_credentials: dict[str, Path], tmp_path: Path
 ) -> None:
     process = subprocess.Popen(
         [
@@ -195,6 +203,8 @@ def test_run_subscriber_joins_the_mesh_with_the_example_and_stops_on_sigterm(
             nats_server.url,
             "--nats-credentials",
             str(nats_credentials["subscribers"]),
+            "--data-dir",
+            str(tmp_path),
         ],
         cwd=Path(__file__).parents[1],
         stdout=subprocess.PIPE,
@@ -211,6 +221,12 @@ def test_run_subscriber_joins_the_mesh_with_the_example_and_stops_on_sigterm(
                 await asyncio.sleep(3)  # its consumer in place ("new": only what comes after)
                 for _ in range(60):
                     await publisher.publish(event_subject("prefill_completed"), prefill(0, gpu="L40S"))
+                # One from a trace of its own: the handler's span continues it.
+                traced = prefill(0, gpu="L40S")
+                headers = {"Nats-Msg-Id": traced.event_id, "traceparent": f"00-{TRACE_ID}-{'1' * 16}-01"}
+                await publisher.js.publish(
+                    event_subject("prefill_completed"), msgspec.json.encode(traced), headers=headers
+                )
             finally:
                 await publisher.close()
 
@@ -223,6 +239,12 @@ def test_run_subscriber_joins_the_mesh_with_the_example_and_stops_on_sigterm(
             process.kill()
     assert process.returncode == 0, output
     assert "prefix-cache hit rate dropped" in output and "L40S" in output
+    spans = [
+        json.loads(line) for f in (tmp_path / "traces").glob("*.jsonl") for line in f.read_text().splitlines()
+    ]
+    continued = [span for span in spans if span["trace_id"] == TRACE_ID]
+    assert continued and continued[0]["parent_id"] == "1" * 16
+    assert continued[0]["service"] == "ripplemesh-subscriber"
 
 
 def test_a_throttle_holds_while_in_force_and_says_why() -> None:

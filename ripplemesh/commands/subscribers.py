@@ -20,11 +20,22 @@ import click
     default=None,
     help="A NATS user allowed to read the event subjects (a JSON file, as `ripplemesh up` writes).",
 )
-def run_subscriber(target: tuple[str, ...], nats_url: str, nats_credentials: Path | None) -> None:
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where its spans go without OTEL_EXPORTER_OTLP_ENDPOINT (traces/, as the services').",
+)
+def run_subscriber(
+    target: tuple[str, ...], nats_url: str, nats_credentials: Path | None, data_dir: Path | None
+) -> None:
     """Run the subscribers named MODULE:ATTRIBUTE (a `ripplemesh.Subscriber`) until SIGTERM or
-    Ctrl-C. The current directory is importable, as with `python -m`."""
+    Ctrl-C. The current directory is importable, as with `python -m`. Each handler runs in a
+    span continuing the event's trace (to the collector, or `<data-dir>/traces/`)."""
     from ripplemesh.subscriber import Subscriber, run_subscribers
+    from services.mesh.config import default_data_dir
     from services.mesh.runtime import setup_logging
+    from services.mesh.tracing import setup_tracing, shutdown_tracing
 
     setup_logging("subscriber")  # JSON lines on stderr, as the services log
     sys.path.insert(0, str(Path.cwd()))
@@ -40,4 +51,8 @@ def run_subscriber(target: tuple[str, ...], nats_url: str, nats_credentials: Pat
         if not isinstance(found, Subscriber):
             raise click.ClickException(f"{name} is a {type(found).__name__}, not a ripplemesh Subscriber")
         subscribers.append(found)
-    asyncio.run(run_subscribers(subscribers, nats_url=nats_url, credentials=nats_credentials))
+    setup_tracing("subscriber", (data_dir or default_data_dir()).resolve())
+    try:
+        asyncio.run(run_subscribers(subscribers, nats_url=nats_url, credentials=nats_credentials))
+    finally:
+        shutdown_tracing()
