@@ -37,6 +37,7 @@ from schemas.events import (
     StreamFailed,
     StreamFinished,
     SubmitRequest,
+    TenantThrottle,
     TokenChunk,
     Usage,
     WorkerState,
@@ -422,6 +423,14 @@ SAMPLES: list[Event] = [
         event_id=_id(43),
         occurred_at=NOW,
         pools=[MEMBERS],
+    ),
+    TenantThrottle(
+        event_id=_id(44),
+        occurred_at=NOW,
+        tenant="acme",
+        until=NOW + 3600,
+        reason="daily budget $5 spent",
+        source="budget-guard",
     ),
     TokenChunk(
         event_id=_id(12),
