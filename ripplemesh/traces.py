@@ -51,10 +51,26 @@ def load_spans(data_dir: Path) -> list[dict[str, Any]]:
     return spans
 
 
+# The ids a client sees for a request: the OpenAI response's ("chatcmpl-<id>", "cmpl-<id>"), or
+# its own x-request-id, which ingress echoes and records on its span.
+RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+CLIENT_REQUEST_ID = "ripple.client_request_id"
+
+
 def load_request_trace(data_dir: Path, request_id: str) -> list[dict[str, Any]]:
-    """Every span of the trace(s) that carry this request id."""
+    """Every span of the trace(s) of this request: by the mesh's id, the response's id
+    (``chatcmpl-...``, ``cmpl-...``) or the client's own ``x-request-id``."""
     spans = load_spans(data_dir)
-    trace_ids = {s["trace_id"] for s in spans if s.get("attributes", {}).get(REQUEST_ID) == request_id}
+    wanted = {request_id}
+    for prefix in RESPONSE_ID_PREFIXES:
+        if request_id.startswith(prefix):
+            wanted.add(request_id.removeprefix(prefix))
+    trace_ids = {
+        s["trace_id"]
+        for s in spans
+        if s.get("attributes", {}).get(REQUEST_ID) in wanted
+        or s.get("attributes", {}).get(CLIENT_REQUEST_ID) == request_id
+    }
     return sorted((s for s in spans if s["trace_id"] in trace_ids), key=lambda s: s["start_ns"])
 
 

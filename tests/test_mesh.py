@@ -192,3 +192,41 @@ async def test_service_health_and_metrics(mesh: Mesh) -> None:
             assert json.loads(response.read())["ready"] is True
     with urllib.request.urlopen(f"{mesh.child('router').url}/metrics", timeout=5) as response:
         assert b"ripplemesh_router_placements_total" in response.read()
+
+
+async def test_ripplemesh_trace_takes_the_ids_the_client_saw(mesh: Mesh) -> None:
+    """Tried as a new user would: the response's id and the client's own x-request-id both find
+    the request's trace; an id nobody sent says where it looked."""
+    from click.testing import CliRunner
+
+    from ripplemesh.cli import main
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(
+            f"{api(mesh)}/chat/completions",
+            headers={"Authorization": f"Bearer {TEST_KEY}", "x-request-id": "my-client-id-42"},
+            json={
+                "model": "llama-3-8b",
+                "messages": [{"role": "user", "content": "find me"}],
+                "max_tokens": 4,
+            },
+        )
+    assert response.status_code == 200 and response.headers["x-request-id"] == "my-client-id-42"
+    response_id = response.json()["id"]
+    assert response_id.startswith("chatcmpl-")
+    wait_until(lambda: load_request_trace(mesh.data_dir, response_id.removeprefix("chatcmpl-")), timeout_s=15)
+    runner = CliRunner()
+    for seen_id in (response_id, "my-client-id-42"):
+
+        def printed(seen_id: str = seen_id) -> str | None:
+            result = runner.invoke(main, ["trace", seen_id, "--data-dir", str(mesh.data_dir)])
+            return (
+                result.output
+                if result.exit_code == 0 and "POST /v1/chat/completions" in result.output
+                else None
+            )
+
+        assert "router.decide" in wait_until(printed, timeout_s=15)
+    missing = runner.invoke(main, ["trace", "chatcmpl-nobody", "--data-dir", str(mesh.data_dir)])
+    assert missing.exit_code != 0 and "no spans found for request chatcmpl-nobody" in missing.output
+    assert "x-request-id" in missing.output

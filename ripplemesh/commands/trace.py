@@ -14,10 +14,17 @@ from services.mesh.config import default_data_dir
 @click.argument("request_id")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 def trace(request_id: str, data_dir: Path | None) -> None:
-    """Print a request's span tree from the locally written traces."""
+    """Print a request's span tree from the locally written traces. REQUEST_ID is the mesh's
+    id, the id of the OpenAI response (chatcmpl-..., cmpl-...), or the x-request-id the client
+    sent."""
     from ripplemesh.traces import load_request_trace, render_tree
+    from services.mesh.tracing import traces_dir
 
-    spans = load_request_trace((data_dir or default_data_dir()).resolve(), request_id)
+    directory = (data_dir or default_data_dir()).resolve()
+    spans = load_request_trace(directory, request_id)
     if not spans:
-        raise click.ClickException(f"no spans found for request {request_id}")
+        raise click.ClickException(
+            f"no spans found for request {request_id} in {traces_dir(directory)} (the mesh's "
+            "request id, a chatcmpl-/cmpl- response id, or a client's x-request-id)"
+        )
     Console().print(render_tree(spans))
