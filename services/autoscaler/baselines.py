@@ -33,15 +33,9 @@ from services.autoscaler.policy import (
     Pool,
     PoolDecision,
     Replica,
+    pool_decision,
+    replicas_by_pool,
 )
-
-
-def _by_pool(pools: Sequence[Pool], replicas: Iterable[Replica]) -> dict[str, list[Replica]]:
-    out: dict[str, list[Replica]] = {p.name: [] for p in pools}
-    for replica in replicas:
-        if replica.pool in out:
-            out[replica.pool].append(replica)
-    return out
 
 
 def _decision(pool: Pool, members: Sequence[Replica], desired: int, need: float, reason: str) -> PoolDecision:
@@ -49,7 +43,6 @@ def _decision(pool: Pool, members: Sequence[Replica], desired: int, need: float,
     ReplicaSet would delete it (warming first, then the newest)."""
     warming = [r for r in members if r.state == "warming"]
     serving = [r for r in members if r.state == "serving"]
-    draining = [r for r in members if r.state == "draining"]
     current = len(warming) + len(serving)
     desired = max(0, desired)
     add = max(0, desired - current)
@@ -61,22 +54,7 @@ def _decision(pool: Pool, members: Sequence[Replica], desired: int, need: float,
         reason = f"scale down {current} -> {desired}: drain {', '.join(remove)}; {reason}"
     else:
         reason = f"steady at {current}; {reason}"
-    utilisation = need / desired if desired else (0.0 if need == 0 else math.inf)
-    return PoolDecision(
-        pool=pool.name,
-        model=pool.model,
-        role=pool.role,
-        gpu_type=pool.gpu_type,
-        serving=len(serving),
-        warming=len(warming),
-        draining=len(draining),
-        desired=desired,
-        add=add,
-        remove=remove,
-        utilisation=round(utilisation, 4) if math.isfinite(utilisation) else -1.0,
-        cost_per_hour=round(desired * pool.price_per_hour, 4),
-        reason=reason,
-    )
+    return pool_decision(pool, members, desired, add, remove, need, reason)
 
 
 def _plan(now: float, decisions: Sequence[PoolDecision], outlooks: Sequence[ModelOutlook]) -> Plan:
@@ -185,7 +163,7 @@ def dynamo_sla(
     order, each to its maximum (no choice by price), on that pool's own profile. Replica counts
     are set at once, up or down (no scale-down delay); the surplus drains."""
     seen = {o.model: o for o in observations}
-    by_pool = _by_pool(pools, replicas)
+    by_pool = replicas_by_pool(pools, replicas)
     p_corr, d_corr = dict(state.p_correction), dict(state.d_correction)
     isl_of, osl_of = dict(state.isl), dict(state.osl)
     decisions: dict[str, PoolDecision] = {}
@@ -375,7 +353,7 @@ def hpa_queue(
     """
     seen = {o.model: o for o in observations}
     queued = queued or {}
-    by_pool = _by_pool(pools, replicas)
+    by_pool = replicas_by_pool(pools, replicas)
     recommendations = dict(state.recommendations)
     active_at = dict(state.active_at)
     decisions: list[PoolDecision] = []

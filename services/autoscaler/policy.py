@@ -206,10 +206,7 @@ def plan(
             or observation.queued_prompt_tokens
         ):
             busy_at[model] = now
-    by_pool: dict[str, list[Replica]] = {p.name: [] for p in pools}
-    for replica in replicas:
-        if replica.pool in by_pool:
-            by_pool[replica.pool].append(replica)
+    by_pool = replicas_by_pool(pools, replicas)
 
     models = sorted({p.model for p in pools})
     outlooks: list[ModelOutlook] = []
@@ -525,7 +522,6 @@ def _decide(
 ) -> PoolDecision:
     warming = [r for r in members if r.state == "warming"]
     serving = [r for r in members if r.state == "serving"]
-    draining = [r for r in members if r.state == "draining"]
     current = len(warming) + len(serving)
     reasons = list(target.reasons)
     add, remove = 0, tuple[str, ...]()
@@ -554,22 +550,46 @@ def _decide(
     else:
         below_since.pop(pool.name, None)
         reasons.insert(0, f"steady at {current}")
-    utilisation = target.need / desired if desired else (0.0 if target.need == 0 else math.inf)
+    return pool_decision(pool, members, desired, add, remove, target.need, "; ".join(reasons))
+
+
+def pool_decision(
+    pool: Pool,
+    members: Sequence[Replica],
+    desired: int,
+    add: int,
+    remove: tuple[str, ...],
+    need: float,
+    reason: str,
+) -> PoolDecision:
+    """A pool's decision as plans report it (this policy's and the baselines'): its replicas by
+    state, the change, and the predicted use and $/hour once done (`need`: the fractional
+    replicas its load needs; utilisation -1 for a load with no replica to carry it)."""
+    utilisation = need / desired if desired else (0.0 if need == 0 else math.inf)
     return PoolDecision(
         pool=pool.name,
         model=pool.model,
         role=pool.role,
         gpu_type=pool.gpu_type,
-        serving=len(serving),
-        warming=len(warming),
-        draining=len(draining),
+        serving=sum(1 for r in members if r.state == "serving"),
+        warming=sum(1 for r in members if r.state == "warming"),
+        draining=sum(1 for r in members if r.state == "draining"),
         desired=desired,
         add=add,
         remove=remove,
         utilisation=round(utilisation, 4) if math.isfinite(utilisation) else -1.0,
         cost_per_hour=round(desired * pool.price_per_hour, 4),
-        reason="; ".join(reasons),
+        reason=reason,
     )
+
+
+def replicas_by_pool(pools: Sequence[Pool], replicas: Iterable[Replica]) -> dict[str, list[Replica]]:
+    """Each pool's replicas (those of pools not given are left out)."""
+    by_pool: dict[str, list[Replica]] = {p.name: [] for p in pools}
+    for replica in replicas:
+        if replica.pool in by_pool:
+            by_pool[replica.pool].append(replica)
+    return by_pool
 
 
 def _to_remove(warming: Sequence[Replica], serving: Sequence[Replica], count: int) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ on its module at each plan, never copied here (tests patch the policy module).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from services.autoscaler import baselines as autoscaler_baselines
@@ -48,14 +48,23 @@ class Autoscaler(Protocol):
     ) -> Plan: ...
 
 
-class _Ripple:
-    plans_on_hold = True
+# One step of a planner: its state, the window's observations, the pools, their replicas, the
+# sequences queued on each replica, now -> the new state and the plan.
+Step = Callable[
+    [Any, Sequence[Observation], Sequence[Pool], Sequence[Replica], Mapping[str, int], float],
+    tuple[Any, Plan],
+]
 
-    def __init__(self, name: str, settings: autoscaler_policy.Settings):
+
+class _Rule:
+    """A planner (the ripple policy or a baseline) with its state kept between plans."""
+
+    def __init__(self, name: str, interval_s: float, plans_on_hold: bool, state: Any, step: Step) -> None:
         self.name = name
-        self.settings = settings
-        self.interval_s = settings.interval_s
-        self.state = autoscaler_policy.PlannerState()
+        self.interval_s = interval_s
+        self.plans_on_hold = plans_on_hold
+        self.state = state
+        self._step = step
 
     def plan(
         self,
@@ -65,55 +74,7 @@ class _Ripple:
         queued: Mapping[str, int],
         now: float,
     ) -> Plan:
-        self.state, result = autoscaler_policy.plan(
-            self.state, observations, pools, replicas, self.settings, now
-        )
-        return result
-
-
-class _Dynamo:
-    plans_on_hold = False
-
-    def __init__(self, name: str, settings: autoscaler_baselines.DynamoSettings):
-        self.name = name
-        self.settings = settings
-        self.interval_s = settings.adjustment_interval_s
-        self.state = autoscaler_baselines.DynamoState()
-
-    def plan(
-        self,
-        observations: Sequence[Observation],
-        pools: Sequence[Pool],
-        replicas: Sequence[Replica],
-        queued: Mapping[str, int],
-        now: float,
-    ) -> Plan:
-        self.state, result = autoscaler_baselines.dynamo_sla(
-            self.state, observations, pools, replicas, self.settings, now
-        )
-        return result
-
-
-class _Hpa:
-    plans_on_hold = False
-
-    def __init__(self, name: str, settings: autoscaler_baselines.HpaSettings):
-        self.name = name
-        self.settings = settings
-        self.interval_s = settings.interval_s
-        self.state = autoscaler_baselines.HpaState()
-
-    def plan(
-        self,
-        observations: Sequence[Observation],
-        pools: Sequence[Pool],
-        replicas: Sequence[Replica],
-        queued: Mapping[str, int],
-        now: float,
-    ) -> Plan:
-        self.state, result = autoscaler_baselines.hpa_queue(
-            self.state, observations, pools, replicas, self.settings, now, queued=queued
-        )
+        self.state, result = self._step(self.state, observations, pools, replicas, queued, now)
         return result
 
 
@@ -140,18 +101,44 @@ def parse_autoscaler(spec: str, fleet: FleetSpec, kv_usd_per_gb: float = 0.0) ->
     name = name.strip()
     if name == "ripple":
         settings = dataclasses.replace(fleet.settings(), kv_transfer_usd_per_gb=kv_usd_per_gb)
-        changes = _changes(rest, autoscaler_policy.Settings, ("slo", "forecast"))
-        return _Ripple(spec, dataclasses.replace(settings, **changes))
+        ripple = dataclasses.replace(
+            settings, **_changes(rest, autoscaler_policy.Settings, ("slo", "forecast"))
+        )
+        return _Rule(
+            spec,
+            ripple.interval_s,
+            True,
+            autoscaler_policy.PlannerState(),
+            lambda state, obs, pools, replicas, queued, now: autoscaler_policy.plan(
+                state, obs, pools, replicas, ripple, now
+            ),
+        )
     if name == "dynamo-sla":
         dynamo = autoscaler_baselines.DynamoSettings(slo=fleet.settings().slo)
-        changes = _changes(rest, autoscaler_baselines.DynamoSettings, ("slo",))
-        return _Dynamo(spec, dataclasses.replace(dynamo, **changes))
+        dynamo = dataclasses.replace(dynamo, **_changes(rest, autoscaler_baselines.DynamoSettings, ("slo",)))
+        return _Rule(
+            spec,
+            dynamo.adjustment_interval_s,
+            False,
+            autoscaler_baselines.DynamoState(),
+            lambda state, obs, pools, replicas, queued, now: autoscaler_baselines.dynamo_sla(
+                state, obs, pools, replicas, dynamo, now
+            ),
+        )
     if name == "hpa-queue":
         hpa = autoscaler_baselines.HpaSettings(
             decode_target=fleet.sequences_per_replica, prefill_target=fleet.prefill_sequences_per_replica
         )
-        changes = _changes(rest, autoscaler_baselines.HpaSettings, ())
-        return _Hpa(spec, dataclasses.replace(hpa, **changes))
+        hpa = dataclasses.replace(hpa, **_changes(rest, autoscaler_baselines.HpaSettings, ()))
+        return _Rule(
+            spec,
+            hpa.interval_s,
+            False,
+            autoscaler_baselines.HpaState(),
+            lambda state, obs, pools, replicas, queued, now: autoscaler_baselines.hpa_queue(
+                state, obs, pools, replicas, hpa, now, queued=queued
+            ),
+        )
     raise ValueError(f"unknown autoscaler {name!r}; known: {', '.join(AUTOSCALER_NAMES)}")
 
 
