@@ -219,14 +219,14 @@ async def test_ripplemesh_trace_takes_the_ids_the_client_saw(mesh: Mesh) -> None
     for seen_id in (response_id, "my-client-id-42"):
 
         def printed(seen_id: str = seen_id) -> str | None:
+            # Each process writes its spans every 200 ms: wait until the router's is there too.
             result = runner.invoke(main, ["trace", seen_id, "--data-dir", str(mesh.data_dir)])
-            return (
-                result.output
-                if result.exit_code == 0 and "POST /v1/chat/completions" in result.output
-                else None
-            )
+            wanted = ("POST /v1/chat/completions", "router.decide")
+            found = result.exit_code == 0 and all(name in result.output for name in wanted)
+            return result.output if found else None
 
-        assert "router.decide" in wait_until(printed, timeout_s=15)
+        output = wait_until(printed, timeout_s=15)
+        assert "POST /v1/chat/completions" in output and "router.decide" in output
     missing = runner.invoke(main, ["trace", "chatcmpl-nobody", "--data-dir", str(mesh.data_dir)])
     assert missing.exit_code != 0 and "no spans found for request chatcmpl-nobody" in missing.output
     assert "x-request-id" in missing.output
