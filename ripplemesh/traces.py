@@ -60,7 +60,11 @@ CLIENT_REQUEST_ID = "ripple.client_request_id"
 def load_request_trace(data_dir: Path, request_id: str) -> list[dict[str, Any]]:
     """Every span of the trace(s) of this request: by the mesh's id, the response's id
     (``chatcmpl-...``, ``cmpl-...``) or the client's own ``x-request-id``."""
-    spans = load_spans(data_dir)
+    return request_trace(load_spans(data_dir), request_id)
+
+
+def request_trace(spans: list[dict[str, Any]], request_id: str) -> list[dict[str, Any]]:
+    """`load_request_trace` on spans already loaded."""
     wanted = {request_id}
     for prefix in RESPONSE_ID_PREFIXES:
         if request_id.startswith(prefix):
@@ -122,4 +126,96 @@ def render_tree(spans: list[dict[str, Any]]) -> Tree:
             add(node.add(_label(span)), span["span_id"])
 
     add(root, None)
+    return root
+
+
+# ---------------------------------------------------------------- the ripple view
+
+# What a span that links to another says about it (its link's ``ripple.link``), read from the
+# cause's side: services/engines/ripple.py and the autoscaler make these links.
+EFFECTS = {
+    "placed_by": "placed the work",
+    "reused_kv": "its cached prefix served",
+    "in_batch": "in the batch a utilisation sample measured",
+    "used_sample": "planned on by the autoscaler",
+    "slow_request": "the autoscaler reacted to it (TTFT over the SLO)",
+    "started_by_plan": "served by a worker this plan started",
+}
+RIPPLE_ATTRIBUTES = (
+    "ripple.worker.running",
+    "ripple.worker.queue_depth",
+    "ripple.worker.kv_usage",
+    "ripple.sample.requests",
+    "ripple.batch.sequences",
+    "ripple.batch.cache_hit_share",
+    "ripple.autoscaler.trigger",
+    "ripple.autoscaler.cost_per_hour",
+    REQUEST_ID,
+)
+
+
+def _effects_index(spans: list[dict[str, Any]]) -> dict[str, list[tuple[dict[str, Any], str]]]:
+    """Span id -> the spans that link to it, with the link's kind."""
+    index: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    for span in spans:
+        for link in span.get("links") or ():
+            kind = (link.get("attributes") or {}).get("ripple.link", "link")
+            index.setdefault(link["span_id"], []).append((span, str(kind)))
+    return index
+
+
+def _ripple_label(span: dict[str, Any]) -> str:
+    attrs = span.get("attributes", {})
+    extra = " ".join(
+        f"{key.split('.')[-1]}={_value(attrs[key])}" for key in RIPPLE_ATTRIBUTES if key in attrs
+    )
+    desired = " ".join(
+        f"{key.removeprefix('ripple.autoscaler.').removesuffix('.desired')}={attrs[key]}"
+        for key in sorted(attrs)
+        if key.startswith("ripple.autoscaler.") and key.endswith(".desired")
+    )
+    label = _label(span)
+    return f"{label} [dim]{extra} {desired}[/]".rstrip() if extra or desired else label
+
+
+def render_ripple(
+    request_spans: list[dict[str, Any]],
+    all_spans: list[dict[str, Any]],
+    *,
+    depth: int = 4,
+    fan_out: int = 5,
+) -> Tree:
+    """The request's decisions and model calls, each followed forward to the spans that name it
+    as their cause (span links), and those to theirs, `depth` steps deep; `fan_out` shown per
+    kind of effect, the rest counted."""
+    effects = _effects_index(all_spans)
+    request_ids = {s["attributes"].get(REQUEST_ID) for s in request_spans} - {None}
+    root = Tree(f"ripple of request {', '.join(sorted(request_ids)) or '?'}")
+    seen = {s["span_id"] for s in request_spans}
+
+    def follow(node: Tree, span_id: str, level: int) -> int:
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for effect, kind in effects.get(span_id, ()):
+            if effect["span_id"] not in seen or kind == "placed_by":
+                by_kind.setdefault(kind, []).append(effect)
+        for kind, found in sorted(by_kind.items()):
+            group = node.add(f"[yellow]{EFFECTS.get(kind, kind)}[/] ({len(found)})")
+            for effect in sorted(found, key=lambda s: s["start_ns"])[:fan_out]:
+                seen.add(effect["span_id"])
+                child = group.add(_ripple_label(effect))
+                if level < depth:
+                    follow(child, effect["span_id"], level + 1)
+            if len(found) > fan_out:
+                group.add(f"[dim]... and {len(found) - fan_out} more[/]")
+        return len(by_kind)
+
+    for span in request_spans:
+        node = Tree(_ripple_label(span))
+        if follow(node, span["span_id"], 1):
+            root.add(node)
+    if not root.children:
+        root.add(
+            "[dim]no effects recorded yet (spans are written every 200 ms; later requests and "
+            "plans add more)[/]"
+        )
     return root

@@ -342,6 +342,9 @@ class PrefillWork(Event, frozen=True, kw_only=True, tag="work.prefill.v1"):
     # What the router predicted for this placement (TTFT from `occurred_at`, the decision), so
     # the prefill span can show it next to what happened; None from older routers.
     prediction: RouteOption | None = None
+    # The router's decision span (W3C traceparent), which the prefill span links to as
+    # ``placed_by``; None from older routers or an unsampled trace.
+    decision_traceparent: str | None = None
 
 
 class DecodeWork(Event, frozen=True, kw_only=True, tag="work.decode.v1"):
@@ -466,6 +469,8 @@ class DecodeCompleted(Event, frozen=True, kw_only=True, tag="request.decode_comp
     workflow_step: PositiveInt | None = None
     workflow_steps: PositiveInt | None = None
     deadline_at: float | None = None
+    # The request's class, for the ledger's cost by class; None from older producers.
+    priority: PriorityClass | None = None
 
 
 class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):
@@ -733,6 +738,9 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     features: list[str] = []
     # The `ScalingDecision` that started this worker (None: started by hand or at launch).
     scaling_decision: str | None = None
+    # The worker's latest utilisation sample (a span linking the requests in its batch, W3C
+    # traceparent): a plan made on this heartbeat links to it. None: tracing off.
+    utilisation_traceparent: str | None = None
 
 
 # What an engine may honour beyond plain generation, as announced in `WorkerState.features`:

@@ -5,6 +5,7 @@ counts every token, and the ledger every request."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sqlite3
 import time
@@ -14,7 +15,9 @@ import nats
 import nats.js.errors
 import openai
 import pytest
+from rich.console import Console
 
+from ripplemesh.traces import load_spans, render_ripple, request_trace
 from schemas.events import ScalingDecision, decode_event
 from schemas.subjects import WORKERS, event_subject
 from services.mesh.config import DEFAULT_CONFIG
@@ -31,9 +34,9 @@ idle_to_zero_s = 12.0
 """
 
 
-async def stream(api: openai.AsyncOpenAI, i: int, max_tokens: int) -> tuple[int, int | None]:
-    """Content chunks received and the usage's completion tokens (one token per chunk)."""
-    chunks, usage = 0, None
+async def stream(api: openai.AsyncOpenAI, i: int, max_tokens: int) -> tuple[int, int | None, str]:
+    """Content chunks received, the usage's completion tokens (one token per chunk), the id."""
+    chunks, usage, response_id = 0, None, ""
     response = await api.chat.completions.create(
         model="llama-3-8b",
         messages=[{"role": "user", "content": f"request {i}: " + "tell me about the sea " * 40}],
@@ -42,10 +45,11 @@ async def stream(api: openai.AsyncOpenAI, i: int, max_tokens: int) -> tuple[int,
         stream_options={"include_usage": True},
     )
     async for chunk in response:
+        response_id = chunk.id
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
         chunks += sum(1 for c in chunk.choices if c.delta.content)
-    return chunks, usage
+    return chunks, usage, response_id
 
 
 async def started_by_plans(kv) -> set[str]:  # type: ignore[no-untyped-def]
@@ -100,8 +104,8 @@ async def test_a_burst_scales_up_the_calm_drains_to_zero_and_a_request_brings_a_
         try:
             # A burst: 60 streams at once on one prefill and one decode worker.
             burst = await asyncio.gather(*(stream(api, i, 100) for i in range(60)))
-            assert all(chunks == usage for chunks, usage in burst)  # no token lost or doubled
-            assert all(usage == 100 for _, usage in burst)
+            assert all(chunks == usage for chunks, usage, _ in burst)  # no token lost or doubled
+            assert all(usage == 100 for _, usage, _ in burst)
             grew = [d for d in decisions if any(p.add for p in d.pools)]
             assert grew, [p.reason for d in decisions for p in d.pools]
             added = {p.pool for d in grew for p in d.pools if p.add}
@@ -129,13 +133,25 @@ async def test_a_burst_scales_up_the_calm_drains_to_zero_and_a_request_brings_a_
             # From zero: the next requests are held, a worker starts, they are served.
             started = time.monotonic()
             again = await asyncio.gather(*(stream(api, 100 + i, 20) for i in range(2)))
-            assert all(chunks == usage == 20 for chunks, usage in again)
+            assert all(chunks == usage == 20 for chunks, usage, _ in again)
             assert time.monotonic() - started < 30
             assert any(d.trigger == "held" and any(p.add for p in d.pools) for d in decisions)
         finally:
             watcher.cancel()
             await api.close()
             await nc.close()
+        # The chain, followed from a request of the burst: its batch's utilisation sample, the
+        # plan made on it, and the requests served by the worker that plan started.
+        spans = load_spans(up.data_dir)
+        chains = []
+        for _, _, response_id in burst:
+            console = Console(file=io.StringIO(), width=250)
+            console.print(render_ripple(request_trace(spans, response_id), spans))
+            chains.append(console.file.getvalue())  # type: ignore[attr-defined]
+        assert any(
+            "planned on by the autoscaler" in chain and "served by a worker this plan started" in chain
+            for chain in chains
+        ), chains[0]
         # The ledger counts every request, once.
         await asyncio.sleep(2)
         with sqlite3.connect(up.data_dir / "ledger.db") as db:

@@ -58,7 +58,7 @@ from services.engines.sim.profiles import gpu, model_shape
 from services.mesh.config import AutoscalerConfig, MeshConfig
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.runtime import Runtime
-from services.mesh.tracing import extract_context, tracer
+from services.mesh.tracing import extract_context, link_to, tracer
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,9 @@ class AutoscalerService:
             if event.ttft_s > self.config.ttft_slo_s and len(self._slow) < LINKS_KEPT:
                 span = trace.get_current_span(extract_context(msg.headers)).get_span_context()
                 if span.is_valid:
-                    self._slow.append(Link(span, {"ripple.ttft_s": event.ttft_s}))
+                    self._slow.append(
+                        Link(span, {"ripple.link": "slow_request", "ripple.ttft_s": event.ttft_s})
+                    )
         elif isinstance(event, DecodeCompleted):
             self.meter.completed(
                 event.worker_id, event.request_id, event.usage.completion_tokens, event.latency_s
@@ -249,7 +251,11 @@ class AutoscalerService:
             now, models, queued_prompt_tokens=queued, in_flight=in_flight, held=held, reset=long_enough
         )
         replicas = self._replicas(pools, actual)
+        # What the plan used: the requests over the TTFT SLO since the last plan, and each
+        # worker's latest utilisation sample (which links the requests in its batch).
         links, self._slow = self._slow, []
+        for worker in self.workers.values():
+            links += link_to(worker.utilisation_traceparent, {"ripple.link": "used_sample"})
         mode = "act" if self.actuator is not None else "observe"
         with tracer().start_as_current_span("autoscaler.plan", links=links) as span:
             self.state, result = plan(self.state, observations, pools, replicas, self._settings(), now)

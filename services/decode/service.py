@@ -82,7 +82,11 @@ class DecodeService:
         assert host is not None
         try:
             result = await host.prefill(
-                work.request, work.event_id, routed_at=work.occurred_at, prediction=work.prediction
+                work.request,
+                work.event_id,
+                routed_at=work.occurred_at,
+                prediction=work.prediction,
+                placed_by=work.decision_traceparent,
             )
         except EngineError as exc:
             await host.fail(work.request, 0, exc, work.event_id)

@@ -53,6 +53,7 @@ from schemas.subjects import (
 )
 from services.engines.base import Engine, EngineError, PrefillResult
 from services.engines.lifecycle import WorkerLifecycle
+from services.engines.ripple import RippleRecorder
 from services.mesh import kv_dump
 from services.mesh.completion import decode_completed, sent_at
 from services.mesh.resumption import first_seq, output_before, prompt_proper
@@ -69,10 +70,23 @@ HEARTBEAT_S = 1.0
 HAND_BACK_TIMEOUT_S = 20.0
 KV_EVENTS_EVERY_S = 0.05
 
-TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["worker"])
-GPU_SECONDS = Counter("ripplemesh_worker_gpu_seconds_total", "GPU-seconds spent.", ["worker", "phase"])
-KV_USED = Gauge("ripplemesh_worker_kv_blocks_used", "KV blocks in use.", ["worker"])
-RUNNING = Gauge("ripplemesh_worker_running", "Sequences decoding.", ["worker"])
+TOKENS_OUT = Counter("ripplemesh_worker_tokens_total", "Tokens generated.", ["worker", "pool"])
+GPU_SECONDS = Counter(
+    "ripplemesh_worker_gpu_seconds_total",
+    "GPU-seconds spent, as the engine models them (a sim engine run faster counts modelled time).",
+    ["worker", "pool", "phase"],
+)
+PROMPT_TOKENS = Counter(
+    "ripplemesh_worker_prompt_tokens_total",
+    "Prompt tokens prefilled here, by source: cached (the prefix cache) or computed.",
+    ["worker", "pool", "source"],
+)
+KV_USED = Gauge("ripplemesh_worker_kv_blocks_used", "KV blocks in use.", ["worker", "pool"])
+KV_USAGE = Gauge(
+    "ripplemesh_worker_kv_usage_ratio", "KV blocks in use / KV blocks in all.", ["worker", "pool"]
+)
+RUNNING = Gauge("ripplemesh_worker_running", "Sequences in the running batch.", ["worker", "pool"])
+QUEUE_DEPTH = Gauge("ripplemesh_worker_queue_depth", "Sequences waiting for the batch.", ["worker", "pool"])
 
 
 class EngineHost:
@@ -110,6 +124,9 @@ class EngineHost:
         self._kv_dump_sub: Subscription | None = None
         # Requests in flight; cancellation, revocation and drain (rmesh.control.<worker>).
         self.lifecycle = WorkerLifecycle(self)
+        # The ripple links: whose cache a prefill reused, which requests a utilisation sample saw.
+        self.ripple = RippleRecorder(worker_id, pool)
+        self._labels = (worker_id, pool)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -184,8 +201,12 @@ class EngineHost:
 
     def state(self) -> WorkerState:
         info, snap = self.engine.info, self.engine.snapshot()
-        KV_USED.labels(self.worker_id).set(snap.kv_blocks_used)
-        RUNNING.labels(self.worker_id).set(snap.running)
+        KV_USED.labels(*self._labels).set(snap.kv_blocks_used)
+        KV_USAGE.labels(*self._labels).set(
+            snap.kv_blocks_used / info.kv_blocks_total if info.kv_blocks_total else 0.0
+        )
+        RUNNING.labels(*self._labels).set(snap.running)
+        QUEUE_DEPTH.labels(*self._labels).set(snap.queue_depth)
         return WorkerState(
             event_id=f"{self.worker_id}-{time.monotonic_ns()}",
             occurred_at=time.time(),
@@ -212,6 +233,7 @@ class EngineHost:
             features=sorted(info.features),
             time_scale=info.time_scale,
             scaling_decision=self.scaling_decision,
+            utilisation_traceparent=self.ripple.sample(snap, info.kv_blocks_total),
         )
 
     async def heartbeat(self) -> None:
@@ -318,13 +340,18 @@ class EngineHost:
         *,
         routed_at: float | None = None,
         prediction: RouteOption | None = None,
+        placed_by: str | None = None,
     ) -> PrefillResult:
         """Run the prefill, stream the first token (seq 0), hand the KV off, report GPU time.
 
         The hand-off (to a decode worker) comes before the report, so the ledger's event never
         delays the second token. The span shows what happened next to what the router predicted
-        (`prediction`, made at `routed_at`): cached tokens, and TTFT from the routing decision.
+        (`prediction`, made at `routed_at`): cached tokens, and TTFT from the routing decision;
+        it links to the decision (`placed_by`, its traceparent) and to the prefills whose cached
+        blocks it reused, and records the batch it joined (services/engines/ripple.py).
         """
+        # Filled in once the prefill says what it found cached: the span is built after that.
+        links = [*self._plan_links, *link_to(placed_by, {"ripple.link": "placed_by"})]
         # Built once the first token is out (LateSpan): the token does not wait on the span.
         late = LateSpan(
             f"prefill {request.model}",
@@ -338,12 +365,24 @@ class EngineHost:
                 "ripple.gpu_type": self.engine.info.gpu_type,
                 **self._plan_attributes,
             },
-            links=self._plan_links,
+            links=links,
         )
         try:
-            with late.activate() as span:
+            with (
+                late.activate() as span,
+                self.ripple.in_batch(
+                    request.request_id, span.get_span_context(), len(request.prompt_tokens)
+                ) as entry,
+            ):
                 result = await self.engine.prefill(request)
                 now = time.time()
+                entry.cached_tokens = result.cached_tokens
+                span.set_attributes(self.ripple.shape().attributes())
+                block_size = request.block_size
+                links.extend(self.ripple.reused_from(request.block_hashes, result.cached_tokens, block_size))
+                self.ripple.computed(
+                    request.block_hashes, result.cached_tokens, block_size, span.get_span_context()
+                )
                 span.set_attribute("ripple.cached_tokens", result.cached_tokens)
                 span.set_attribute("ripple.gpu_seconds", result.gpu_seconds)
                 if routed_at is not None:
@@ -373,8 +412,12 @@ class EngineHost:
             await asyncio.sleep(0)
         finally:
             late.record()
-        TOKENS_OUT.labels(self.worker_id).inc()
-        GPU_SECONDS.labels(self.worker_id, "prefill").inc(result.gpu_seconds)
+        TOKENS_OUT.labels(*self._labels).inc()
+        GPU_SECONDS.labels(*self._labels, "prefill").inc(result.gpu_seconds)
+        PROMPT_TOKENS.labels(*self._labels, "cached").inc(result.cached_tokens)
+        PROMPT_TOKENS.labels(*self._labels, "computed").inc(
+            max(0, len(request.prompt_tokens) - result.cached_tokens)
+        )
         if hand_off is not None:
             await hand_off(result)
         # The prompt's blocks are cached now: tell the routers at once, not at the next tick, so
@@ -416,19 +459,26 @@ class EngineHost:
         seq = first_seq(request) + 1
         generated = 1
         finish_reason: Literal["stop", "length"] = "length"
-        with tracer().start_as_current_span(
-            f"decode {request.model}",
-            kind=SpanKind.INTERNAL,
-            attributes={
-                REQUEST_ID: request.request_id,
-                "gen_ai.operation.name": "decode",
-                "gen_ai.request.model": request.model,
-                "ripple.worker_id": self.worker_id,
-                "ripple.gpu_type": self.engine.info.gpu_type,
-                **self._plan_attributes,
-            },
-            links=self._plan_links,
-        ) as span:
+        with (
+            tracer().start_as_current_span(
+                f"decode {request.model}",
+                kind=SpanKind.INTERNAL,
+                attributes={
+                    REQUEST_ID: request.request_id,
+                    "gen_ai.operation.name": "decode",
+                    "gen_ai.request.model": request.model,
+                    "ripple.worker_id": self.worker_id,
+                    "ripple.gpu_type": self.engine.info.gpu_type,
+                    **self._plan_attributes,
+                },
+                links=self._plan_links,
+            ) as span,
+            self.ripple.in_batch(
+                request.request_id, span.get_span_context(), len(request.prompt_tokens)
+            ) as entry,
+        ):
+            entry.cached_tokens = cached_tokens
+            span.set_attributes(self.ripple.shape().attributes())
             async for step in self.engine.decode(request.request_id, first_token_id):
                 # One chunk per token, so a chunk's seq is its token's position in the output:
                 # any two placements of the request (a migration, a worker thought lost that was
@@ -451,7 +501,7 @@ class EngineHost:
                 if step.token_ids:
                     generated += len(step.token_ids)
                     self.lifecycle.tokens_generated(request.request_id, generated)
-                    TOKENS_OUT.labels(self.worker_id).inc(len(step.token_ids))
+                    TOKENS_OUT.labels(*self._labels).inc(len(step.token_ids))
                 if step.finish_reason is not None:
                     finish_reason = "stop" if step.finish_reason == "stop" else "length"
             _, decode_gpu_s = self.engine.gpu_seconds(request.request_id)
@@ -463,7 +513,7 @@ class EngineHost:
             cached_tokens=cached_tokens,
         )
         now = time.time()
-        GPU_SECONDS.labels(self.worker_id, "decode").inc(decode_gpu_s)
+        GPU_SECONDS.labels(*self._labels, "decode").inc(decode_gpu_s)
         await self.runtime.bus.publish(
             subject,
             StreamFinished(

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -26,6 +26,7 @@ from schemas.events import (
     new_event_id,
 )
 from schemas.subjects import event_subject, prepared_subject, tokens_subject
+from services.ingress import latency
 from services.ingress.cancel import ClientGone, cancelled, until_disconnect
 from services.ingress.http_helpers import (
     client_request_id_of,
@@ -55,11 +56,6 @@ HTTP_REQUESTS = Counter(
     "ripplemesh_ingress_http_requests_total",
     "HTTP API requests by route and status.",
     ["route", "status"],
-)
-TTFT = Histogram(
-    "ripplemesh_ingress_ttft_seconds",
-    "Time to first token seen by the ingress.",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
 
@@ -177,6 +173,8 @@ class HttpApi(ServicePart):
             return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
         except ClientDisconnect:
             return Response(status_code=499)
+        context = span.get_span_context()
+        trace_id = f"{context.trace_id:032x}" if context.is_valid else None
         span.set_attribute("gen_ai.request.model", prepared.model)
         span.set_attribute("gen_ai.usage.input_tokens", len(prepared.prompt_tokens))
         if choices_asked > 1:
@@ -207,8 +205,9 @@ class HttpApi(ServicePart):
                     )
                 # Wait for the first events before answering, so a rejection gets its HTTP status.
                 firsts = await until_disconnect(request, asyncio.gather(*(anext(c.events) for c in opened)))
+                first_at = time.time()
                 for choice, first in zip(opened, firsts, strict=True):
-                    choice.first = first
+                    choice.first, choice.first_at, choice.trace_id = first, first_at, trace_id
                     choice.saw(first)
                 failed = next((f for f in firsts if isinstance(f, StreamFailed)), None)
                 if failed is not None:
@@ -219,8 +218,8 @@ class HttpApi(ServicePart):
                         code=failed.code,
                         retry_after_s=failed.retry_after_s,
                     )
-                if len(choices) == 1:
-                    TTFT.observe(time.time() - prepared.submitted_at)
+                if len(choices) == 1 and not isinstance(firsts[0], StreamFailed):
+                    latency.first_token(prepared, first_at, trace_id)
         except ClientGone:
             await self._close(choices)
             return Response(status_code=499)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from schemas.events import InferenceRequest, StreamFailed, StreamFinished, TokenEvent, TokenLogprob, Usage
+from services.ingress import latency
 from services.ingress.openai_api import ResponseShape
 from services.mesh.token_stream import StreamTimeout, TokenStream
 
@@ -27,13 +29,19 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = "length"
     usage: Usage | None = None
+    # For the latency histograms: when its first event came, and its trace (the exemplar).
+    first_at: float | None = None
+    trace_id: str | None = None
 
     def saw(self, event: TokenEvent | None) -> None:
         if isinstance(event, StreamFinished | StreamFailed):
+            if self.ended:
+                return  # its final event, seen again (the first event is seen twice)
             self.ended = True
         if isinstance(event, StreamFinished):
             self.finish_reason = event.finish_reason
             self.usage = event.usage
+            latency.finished(self.prepared, self.first_at, time.time(), event.usage, self.trace_id)
 
 
 async def _events_of(choice: Choice) -> AsyncIterator[TokenEvent | None]:

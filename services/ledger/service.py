@@ -26,13 +26,14 @@ import contextlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar
 
 import msgspec
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from opentelemetry import trace
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
@@ -61,6 +62,31 @@ ERRORS = Counter(
     "ripplemesh_ledger_errors_total",
     "Events whose GPU time could not be priced (kept in ledger_errors), by type.",
     ["type"],
+)
+
+
+class _PendingCosts:
+    """Request id -> its prefill's cost until its decode reports (the oldest forgotten past
+    `capacity`: a request whose decode never reports)."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._costs: OrderedDict[str, float] = OrderedDict()
+
+    def put(self, request_id: str, cost: float) -> None:
+        self._costs[request_id] = self._costs.get(request_id, 0.0) + cost
+        while len(self._costs) > self.capacity:
+            self._costs.popitem(last=False)
+
+    def pop(self, request_id: str) -> float:
+        return self._costs.pop(request_id, 0.0)
+
+
+REQUEST_COST = Histogram(
+    "ripplemesh_ledger_request_cost_usd",
+    "A completed request's cost (prefill, decode, KV hand-off), by tenant and class.",
+    ["tenant", "priority"],
+    buckets=(1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
 )
 SPEND = Counter(
     "ripplemesh_ledger_spend_usd_total",
@@ -220,6 +246,8 @@ class LedgerService:
         self.recorded = 0
         self.duplicates = 0
         self.idle_samples = 0
+        # Prefill costs of requests still decoding, for the request cost histogram.
+        self._prefill_costs = _PendingCosts()
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -400,11 +428,20 @@ class LedgerService:
         if cost and isinstance(event, PrefillCompleted | DecodeCompleted):
             phase = "prefill" if isinstance(event, PrefillCompleted) else "decode"
             SPEND.labels(event.tenant, phase).inc(cost)
+        kv_cost = 0.0
         if isinstance(event, DecodeCompleted) and event.kv_transfer_bytes:
             kv_price = self.runtime.config.kv_transfer_usd_per_gb
             with contextlib.suppress(PricingError):
                 kv_cost = price_kv_transfer(event.kv_transfer_bytes, kv_price)
                 SPEND.labels(event.tenant, "kv_transfer").inc(kv_cost)
+        if isinstance(event, PrefillCompleted) and cost:
+            self._prefill_costs.put(event.request_id, cost)
+        elif isinstance(event, DecodeCompleted):
+            # The request's whole cost, its trace the exemplar: a panel's spike leads to it.
+            total = (cost or 0.0) + kv_cost + self._prefill_costs.pop(event.request_id)
+            context = span.get_span_context()
+            exemplar = {"trace_id": f"{context.trace_id:032x}"} if context.is_valid else None
+            REQUEST_COST.labels(event.tenant, event.priority or "unknown").observe(total, exemplar)
 
     # ------------------------------------------------------------ HTTP
 

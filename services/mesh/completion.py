@@ -45,6 +45,7 @@ def decode_completed(
         workflow_step=workflow.step if workflow else None,
         workflow_steps=workflow.steps if workflow else None,
         deadline_at=request.deadline_at,
+        priority=request.priority,
     )
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+from prometheus_client import REGISTRY, Gauge
+from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -211,8 +212,11 @@ class Runtime:
 
 
 def _http_app(runtime_ref: dict[str, Any], service: Service) -> Starlette:
-    async def metrics(_: Request) -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        # OpenMetrics when the scraper asks for it (Prometheus does): the only format that
+        # carries the histograms' exemplars, the trace ids a Grafana panel jumps to.
+        encode, content_type = choose_encoder(request.headers.get("accept"))
+        return Response(encode(REGISTRY), media_type=content_type)
 
     async def healthz(_: Request) -> Response:
         runtime: Runtime | None = runtime_ref.get("runtime")

@@ -75,7 +75,12 @@ class PrefillService:
 
         try:
             await host.prefill(
-                request, work.event_id, hand_off, routed_at=work.occurred_at, prediction=work.prediction
+                request,
+                work.event_id,
+                hand_off,
+                routed_at=work.occurred_at,
+                prediction=work.prediction,
+                placed_by=work.decision_traceparent,
             )
         except EngineError as exc:
             await host.fail(request, 0, exc, work.event_id)

@@ -50,6 +50,12 @@ TTFT_ERROR = Histogram(
     ["direction"],
     buckets=(0.001, 0.005, 0.025, 0.1, 0.5, 1.0, 5.0),
 )
+PROMPT_TOKENS = Counter(
+    "ripplemesh_router_prompt_tokens_total",
+    "Prompt tokens of this router's placements whose prefill completed, by policy, the prefill "
+    "worker's pool and source (cached: the prefix cache; computed).",
+    ["policy", "pool", "source"],
+)
 PREDICTIONS = Counter(
     "ripplemesh_router_predictions_total",
     "This router's predictions, by what became of them: compared (with the prefill's outcome), "
@@ -224,6 +230,8 @@ class _Prediction:
     cached_tokens: int
     ttft_s: float
     decided_at: float
+    policy: str
+    pool: str
 
 
 class Predictions:
@@ -238,8 +246,12 @@ class Predictions:
     def __len__(self) -> int:
         return len(self._by_request)
 
-    def record(self, request_id: str, chosen: RouteOption, decided_at: float) -> None:
-        self._by_request[request_id] = _Prediction(chosen.cached_tokens, chosen.ttft_s, decided_at)
+    def record(
+        self, request_id: str, chosen: RouteOption, decided_at: float, *, policy: str = "", pool: str = ""
+    ) -> None:
+        self._by_request[request_id] = _Prediction(
+            chosen.cached_tokens, chosen.ttft_s, decided_at, policy, pool
+        )
         self._by_request.move_to_end(request_id)
         while len(self._by_request) > self.capacity:
             self._by_request.popitem(last=False)
@@ -257,6 +269,11 @@ class Predictions:
         CACHED_TOKENS_ERROR.labels(_direction(cached_error)).observe(abs(cached_error))
         TTFT_ERROR.labels(_direction(ttft_error)).observe(abs(ttft_error))
         PREDICTIONS.labels("compared").inc()
+        # The cache hit rate the policy's placements got, per pool: the ripple of its choices.
+        tokens = PROMPT_TOKENS.labels(prediction.policy, prediction.pool or completed.gpu_type, "cached")
+        tokens.inc(completed.cached_tokens)
+        computed = PROMPT_TOKENS.labels(prediction.policy, prediction.pool or completed.gpu_type, "computed")
+        computed.inc(max(0, completed.prompt_tokens - completed.cached_tokens))
         return cached_error, ttft_error
 
     def _expire(self, now: float) -> None:

@@ -33,7 +33,7 @@ from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.rejection import publish_rejection
 from services.mesh.resumption import first_seq
 from services.mesh.runtime import Runtime
-from services.mesh.tracing import tracer
+from services.mesh.tracing import ReservedSpan
 from services.mesh.workflow_spend_view import WorkflowSpendView
 from services.router import reporting
 from services.router.feedback import Feedback, count_peer_placement
@@ -98,6 +98,7 @@ def view_of(state: WorkerState, shapes: dict[str, str] | None = None) -> WorkerV
         kv_blocks_used=state.kv_blocks_used,
         heartbeat_at=state.occurred_at,
         draining=state.draining,
+        pool=state.pool,
         gpu_type=state.gpu_type,
         price_per_hour=state.price_per_hour / scale,
         kv_blocks_free=state.kv_blocks_free,
@@ -263,6 +264,8 @@ class RouterService:
         decide_ended_ns = time.time_ns()
         now = decided_at  # PrefillWork's time is the decision's: the prediction's TTFT counts from it
         chosen = reporting.chosen_option(decision) if not isinstance(decision, NoPlacement) else None
+        # The decision's span is built after the work is sent, with the id the work names.
+        decision_span = ReservedSpan()
         if not isinstance(decision, NoPlacement):
             assert chosen is not None
             # The work first: the first token waits on it. The decision's span and records are
@@ -276,10 +279,11 @@ class RouterService:
                     prefill_worker=decision.prefill_worker,
                     decode_worker=decision.decode_worker,
                     prediction=chosen,
+                    decision_traceparent=decision_span.traceparent,
                 ),
             )
         # The decision's span covers the decision alone (its times), whenever it is recorded.
-        span = tracer().start_span("router.decide", start_time=decide_started_ns)
+        span = decision_span.start("router.decide", start_time=decide_started_ns)
         try:
             policy = decision.policy if not isinstance(decision, NoPlacement) else POLICY
             span.set_attributes(
@@ -312,7 +316,9 @@ class RouterService:
             span.end(end_time=decide_ended_ns)
         PLACEMENTS.labels(decision.mode).inc()
         assert chosen is not None
-        self.predictions.record(request.request_id, chosen, decided_at)
+        prefiller = self.state.workers.get(chosen.prefill_worker)
+        pool = prefiller.pool if prefiller is not None else ""
+        self.predictions.record(request.request_id, chosen, decided_at, policy=decision.policy, pool=pool)
         routed = RequestRouted(
             event_id=derived_event_id(event.event_id, "routed"),
             occurred_at=now,

@@ -33,6 +33,7 @@ class WorkerView:
     heartbeat_at: float
     draining: bool = False
     gpu_type: str = ""
+    pool: str = ""  # the worker's pool, as its heartbeat names it (for the metrics' labels)
     price_per_hour: float = 0.0  # US$ per hour for the whole worker (all its GPUs)
     speed: WorkerSpeed = DEFAULT_SPEED
     # Blocks neither held nor cached (allocating beyond them evicts cached blocks); None: unknown.
