@@ -138,8 +138,10 @@ EFFECTS = {
     "reused_kv": "its cached prefix served",
     "in_batch": "in the batch a utilisation sample measured",
     "used_sample": "planned on by the autoscaler",
+    "arrival": "counted in the traffic an autoscaler plan forecast from",
     "slow_request": "the autoscaler reacted to it (TTFT over the SLO)",
     "started_by_plan": "served by a worker this plan started",
+    "original_placement": "re-placed mid-stream (its worker was lost or drained)",
 }
 RIPPLE_ATTRIBUTES = (
     "ripple.worker.running",

@@ -148,10 +148,14 @@ async def test_a_burst_scales_up_the_calm_drains_to_zero_and_a_request_brings_a_
             console = Console(file=io.StringIO(), width=250)
             console.print(render_ripple(request_trace(spans, response_id), spans))
             chains.append(console.file.getvalue())  # type: ignore[attr-defined]
+        # The plan that grew the pool links the requests that arrived in its window; a plan
+        # made on the SLO, the slow ones; every plan, the workers' latest samples.
         assert any(
-            "planned on by the autoscaler" in chain and "served by a worker this plan started" in chain
+            "counted in the traffic an autoscaler plan forecast from" in chain
+            and "served by a worker this plan started" in chain
             for chain in chains
         ), chains[0]
+        assert any("planned on by the autoscaler" in chain for chain in chains)
         # The ledger counts every request, once.
         await asyncio.sleep(2)
         with sqlite3.connect(up.data_dir / "ledger.db") as db:

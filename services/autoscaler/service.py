@@ -84,7 +84,7 @@ SLO_CHECK_S = 1.0
 MIN_REPLAN_S = 2.0
 # A `CapacityWanted` counts this long (admission repeats it while it holds requests).
 HELD_FOR_S = 10.0
-# At most this many traces of slow requests are linked from a plan's span.
+# At most this many requests (arrived, slow) of each kind are linked from a plan's span.
 LINKS_KEPT = 8
 
 _state_decoder = msgspec.json.Decoder(WorkerState)
@@ -106,6 +106,9 @@ class AutoscalerService:
         self._trigger: str = "interval"
         self._failed: list[str] = []
         self._slow: list[Link] = []
+        # Requests that arrived since the last plan (the first LINKS_KEPT): the traffic it
+        # forecast from.
+        self._arrivals: list[Link] = []
         self._started_by: dict[str, tuple[str, float]] = {}  # worker -> (decision id, planned at)
         self._subscriptions: list[Subscription] = []
         self._time_scales: dict[str, float] = {}  # per pool, its workers' last (kept at zero)
@@ -160,6 +163,10 @@ class AutoscalerService:
         if isinstance(event, RequestPrepared):
             request = event.request
             self.meter.arrived(request.model, len(request.prompt_tokens), request.max_tokens)
+            if len(self._arrivals) < LINKS_KEPT:
+                span = trace.get_current_span(extract_context(msg.headers)).get_span_context()
+                if span.is_valid:
+                    self._arrivals.append(Link(span, {"ripple.link": "arrival"}))
 
     async def _on_event(self, msg: Msg) -> None:
         try:
@@ -251,9 +258,10 @@ class AutoscalerService:
             now, models, queued_prompt_tokens=queued, in_flight=in_flight, held=held, reset=long_enough
         )
         replicas = self._replicas(pools, actual)
-        # What the plan used: the requests over the TTFT SLO since the last plan, and each
-        # worker's latest utilisation sample (which links the requests in its batch).
-        links, self._slow = self._slow, []
+        # What the plan used: the requests that arrived and those over the TTFT SLO since the
+        # last plan, and each worker's latest utilisation sample (which links its batch).
+        links = [*self._arrivals, *self._slow]
+        self._arrivals, self._slow = [], []
         for worker in self.workers.values():
             links += link_to(worker.utilisation_traceparent, {"ripple.link": "used_sample"})
         mode = "act" if self.actuator is not None else "observe"

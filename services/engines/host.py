@@ -467,6 +467,7 @@ class EngineHost:
                     REQUEST_ID: request.request_id,
                     "gen_ai.operation.name": "decode",
                     "gen_ai.request.model": request.model,
+                    "gen_ai.request.max_tokens": request.max_tokens,
                     "ripple.worker_id": self.worker_id,
                     "ripple.gpu_type": self.engine.info.gpu_type,
                     **self._plan_attributes,
@@ -506,6 +507,7 @@ class EngineHost:
                     finish_reason = "stop" if step.finish_reason == "stop" else "length"
             _, decode_gpu_s = self.engine.gpu_seconds(request.request_id)
             span.set_attribute("gen_ai.usage.output_tokens", generated)
+            span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
             span.set_attribute("ripple.gpu_seconds", decode_gpu_s)
         usage = Usage(
             prompt_tokens=len(prompt_proper(request)),

@@ -175,7 +175,13 @@ class HttpApi(ServicePart):
             return Response(status_code=499)
         context = span.get_span_context()
         trace_id = f"{context.trace_id:032x}" if context.is_valid else None
+        # The GenAI conventions for the model call the client made.
+        span.set_attribute("gen_ai.operation.name", "chat" if api == "chat" else "text_completion")
         span.set_attribute("gen_ai.request.model", prepared.model)
+        span.set_attribute("gen_ai.request.max_tokens", prepared.max_tokens)
+        span.set_attribute("gen_ai.request.temperature", prepared.temperature)
+        prefix = "chatcmpl-" if api == "chat" else "cmpl-"
+        span.set_attribute("gen_ai.response.id", prefix + client_request.request_id)
         span.set_attribute("gen_ai.usage.input_tokens", len(prepared.prompt_tokens))
         if choices_asked > 1:
             span.set_attribute("gen_ai.request.choice.count", choices_asked)
