@@ -14,6 +14,7 @@ from ripplemesh.commands.serve import _SERVICE_CLASSES, SERVICES, run, status, u
 from ripplemesh.commands.simulate import SIM_POLICIES, simulate, sweep
 from ripplemesh.commands.submit import submit
 from ripplemesh.commands.subscribers import run_subscriber
+from ripplemesh.commands.top import top
 from ripplemesh.commands.trace import trace
 
 __all__ = ["ENGINE_CHOICES", "SERVICES", "SIM_POLICIES", "_SERVICE_CLASSES", "main"]
@@ -31,6 +32,7 @@ for command in (
     submit,
     drain,
     trace,
+    top,
     bench,
     simulate,
     sweep,
