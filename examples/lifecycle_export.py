@@ -576,6 +576,22 @@ exporter = LifecycleExporter("lifecycle-export")
 # ------------------------------------------------------------------ replay in the simulator
 
 
+def _workflow_fields(row: dict[str, Any], arrival: float, start: float) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, name in (("tenant", "tenant"), ("priority", "priority"), ("workflow_id", "workflow_id")):
+        if row[key] is not None:
+            fields[name] = row[key]
+    if row["workflow_id"] is not None and row["workflow_step"] is not None:
+        fields["step"] = int(row["workflow_step"])
+        if row["workflow_steps"] is not None:
+            fields["steps"] = int(row["workflow_steps"])
+    if row["deadline_at"] is not None:
+        fields["e2e_deadline_ms"] = max(1, round((row["deadline_at"] - arrival) * 1000))
+    if row["status"] == "completed" and row["ended_at"] is not None:
+        fields["completed_ms"] = round((row["ended_at"] - start) * 1000)
+    return fields
+
+
 class MooncakeExport(NamedTuple):
     written: int  # trace lines
     skipped: int  # rows left out: no prompt length, no arrival time, or a status not asked for
@@ -589,6 +605,18 @@ def to_mooncake_jsonl(
     *,
     statuses: Collection[str] | None = None,
 ) -> MooncakeExport:
+    """`to_workflow_jsonl` with the Mooncake fields alone."""
+    return to_workflow_jsonl(parquet_dir, out_path, block_size, statuses=statuses, workflows=False)
+
+
+def to_workflow_jsonl(
+    parquet_dir: str | Path,
+    out_path: str | Path,
+    block_size: int | None = None,
+    *,
+    statuses: Collection[str] | None = None,
+    workflows: bool = True,
+) -> MooncakeExport:
     """The exported requests as a Mooncake trace (FAST'25's JSONL), in arrival order: `timestamp`
     (ms from the first arrival), `input_length`, `output_length` and `hash_ids`, one id per
     512-token block (what the simulator's loader reads one id as), numbered 0, 1, ... in order of
@@ -600,10 +628,23 @@ def to_mooncake_jsonl(
     the part of a prompt past its last full block gets an id of its own. The output length is
     what a completed request generated and what the others asked for (`max_tokens`): a rejected
     or failed request still offered its load. `statuses` keeps only those rows (default: all).
+
+    With `workflows`, each line also carries what the simulator's workflow trace format reads
+    (docs/simulator.md) where the row has it: `tenant`, `priority`, `workflow_id`, `step`,
+    `steps`, `e2e_deadline_ms` (the mesh's deadline is on the whole request, from its arrival)
+    and `completed_ms` (when a completed request ended, ms from the first arrival), so a closed-
+    loop replay issues a step its recorded think time after the previous one completes.
     """
     table = pq.read_table(
         parquet_dir,
         columns=[
+            "tenant",
+            "priority",
+            "workflow_id",
+            "workflow_step",
+            "workflow_steps",
+            "deadline_at",
+            "ended_at",
             "submitted_at",
             "first_event_at",
             "prompt_tokens",
@@ -660,5 +701,7 @@ def to_mooncake_jsonl(
                 "output_length": int(row["output_length"]),
                 "hash_ids": hash_ids,
             }
+            if workflows:
+                line.update(_workflow_fields(row, arrival, start))
             out.write(json.dumps(line) + "\n")
     return MooncakeExport(written=len(kept), skipped=len(rows) - len(kept), blocks=fresh)
