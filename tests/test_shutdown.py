@@ -38,3 +38,27 @@ async def test_sigterm_to_a_decode_worker_lets_its_streams_finish(mesh: Mesh) ->
             assert mesh.child("decode-0").process.poll() == 0  # exited cleanly, after finishing
     finally:
         await asyncio.to_thread(mesh.restart_child, "decode-0")
+
+
+def test_a_service_whose_http_port_is_taken_exits_and_says_why(
+    nats_server, nats_credentials, test_config, tmp_path  # type: ignore[no-untyped-def]
+) -> None:
+    """Not a service that works with no /metrics and no /healthz: it stops, naming the port."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "ripplemesh", "run", "router", "--http-port", str(port)]
+            + ["--nats-url", nats_server.url, "--nats-credentials", str(nats_credentials["services"])]
+            + ["--config", str(test_config), "--data-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode != 0
+    assert "address already in use" in result.stderr

@@ -285,6 +285,20 @@ def _shared_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+HTTP_START_TIMEOUT_S = 10.0
+
+
+async def _serving(server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
+    """Wait for the HTTP server to listen; a port it cannot take ends the service with a clear
+    error, rather than a service that works with no /metrics and no /healthz."""
+    deadline = time.monotonic() + HTTP_START_TIMEOUT_S
+    while not server.started:
+        if task.done() or time.monotonic() > deadline:
+            task.cancel()
+            raise SystemExit(f"cannot serve HTTP on port {port} (in use, or not allowed): see the log above")
+        await asyncio.sleep(0.02)
+
+
 async def run_service(service: Service, options: ServiceOptions) -> None:
     """Run one service until SIGTERM/SIGINT, then shut it down gracefully."""
     log.info("starting")  # with "service started", how long a (re)start takes, and where
@@ -312,6 +326,7 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
         shared = _QuietServer(server.config)
         sockets = [_shared_socket(options.http_host, options.shared_port)]
         shared_task = asyncio.create_task(shared.serve(sockets=sockets), name="http-shared")
+    await _serving(server, server_task, options.http_port)
     bus = await Bus.connect(
         options.nats_url,
         service.name,
