@@ -79,6 +79,8 @@ TIME_TO_READY = Histogram(
 )
 COST = Gauge("ripplemesh_autoscaler_cost_per_hour", "The planned fleet's $/hour.")
 
+# What makes a plan: its interval, a TTFT over the SLO, a request held for want of a worker.
+TRIGGERS = ("interval", "slo", "held")
 # A TTFT over the SLO in the window so far plans at once, at most this often.
 SLO_CHECK_S = 1.0
 MIN_REPLAN_S = 2.0
@@ -245,6 +247,10 @@ class AutoscalerService:
         now = time.time()
         actual = await self._actual()
         pools = self._pools(actual)
+        for pool in pools:  # every pool's series from the start, so increase() sees its first step
+            for direction in ("up", "down"):
+                for known in TRIGGERS:
+                    SCALE_EVENTS.labels(pool.name, direction, known)
         models = sorted({p.model for p in pools})
         held = {m: n for m, (n, at) in self._held.items() if now - at <= HELD_FOR_S}
         queued: dict[str, int] = {}

@@ -112,6 +112,8 @@ WORKERS_LOST = Counter(
     "Workers this router declared lost, by how (silent: no heartbeat; no_responders: its probe).",
     ["how"],
 )
+for _how in ("silent", "no_responders"):  # both series from the start: increase() sees the first
+    WORKERS_LOST.labels(_how)
 DETECTION = Histogram(
     "ripplemesh_router_worker_loss_detection_seconds",
     "From a lost worker's last heartbeat to this router declaring it lost.",
