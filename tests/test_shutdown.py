@@ -41,7 +41,10 @@ async def test_sigterm_to_a_decode_worker_lets_its_streams_finish(mesh: Mesh) ->
 
 
 def test_a_service_whose_http_port_is_taken_exits_and_says_why(
-    nats_server, nats_credentials, test_config, tmp_path  # type: ignore[no-untyped-def]
+    nats_server,
+    nats_credentials,
+    test_config,
+    tmp_path,  # type: ignore[no-untyped-def]
 ) -> None:
     """Not a service that works with no /metrics and no /healthz: it stops, naming the port."""
     import socket
@@ -52,10 +55,11 @@ def test_a_service_whose_http_port_is_taken_exits_and_says_why(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "ripplemesh", "run", "router", "--http-port", str(port)]
+        command += ["--nats-url", nats_server.url, "--nats-credentials", str(nats_credentials["services"])]
+        command += ["--config", str(test_config), "--data-dir", str(tmp_path)]
         result = subprocess.run(
-            [sys.executable, "-m", "ripplemesh", "run", "router", "--http-port", str(port)]
-            + ["--nats-url", nats_server.url, "--nats-credentials", str(nats_credentials["services"])]
-            + ["--config", str(test_config), "--data-dir", str(tmp_path)],
+            command,
             capture_output=True,
             text=True,
             timeout=60,

@@ -47,7 +47,7 @@ from services.ingress.part import ServicePart
 from services.ingress.prepare import ClientRequest, InvalidRequest, prepare
 from services.ingress.relay import Choice, merged
 from services.mesh.token_stream import StreamTimeout, TokenStream
-from services.mesh.tracing import REQUEST_ID, tracer
+from services.mesh.tracing import REQUEST_ID, extract_context, tracer
 
 # The service's logger: its records are named as before the module was split out.
 log = logging.getLogger("services.ingress.service")
@@ -136,8 +136,10 @@ class HttpApi(ServicePart):
     async def _serve(self, request: Request, api: Literal["chat", "completion"]) -> Response:
         route = request.url.path
         client_request_id = client_request_id_of(request)
+        # A client's W3C trace context is continued (a malformed one is ignored: a fresh trace).
         with tracer().start_as_current_span(
             f"POST {route}",
+            context=extract_context(request.headers),
             kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "http.route": route},
         ) as span:

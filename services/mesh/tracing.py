@@ -7,11 +7,19 @@ over OTLP/HTTP. With none, they are appended as JSON lines under ``<data_dir>/tr
 Trace context crosses the bus in NATS headers (W3C ``traceparent``/``tracestate``), following the
 OTel messaging conventions: a producer span per publish, and a consumer "process" span per
 delivery whose parent is the context the message was created in.
+
+A receiver that is down or slow never holds a request: ending a span only appends it to a
+bounded queue (`MAX_QUEUE_SIZE`), which one export thread drains, each export given
+`EXPORT_TIMEOUT_S` at most. A span that does not fit the queue, or whose export failed, is
+dropped and counted in ``ripplemesh_tracing_spans_dropped_total{reason}``. The standard
+``OTEL_BSP_*`` and ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` variables override these defaults, and
+``OTEL_SDK_DISABLED=true`` turns tracing off: no spans, no trace context sent on.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import threading
@@ -37,6 +45,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.util.types import Attributes, AttributeValue
+from prometheus_client import Counter
 
 # Attribute every span about one request carries, so the request's trace can be found.
 REQUEST_ID = "ripple.request_id"
@@ -130,7 +139,11 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     }
     if span.links:
         entry["links"] = [
-            {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
+            {
+                "trace_id": f"{link.context.trace_id:032x}",
+                "span_id": f"{link.context.span_id:016x}",
+                "attributes": dict(link.attributes or {}),
+            }
             for link in span.links
         ]
     return entry
@@ -142,19 +155,170 @@ def otlp_configured() -> bool:
     )
 
 
+def tracing_disabled() -> bool:
+    """``OTEL_SDK_DISABLED=true``: the standard switch, read as the SDK reads it."""
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
+# Export to a receiver (OTLP). The queue holds spans ended since the last export: about 3 KB each,
+# so at most ~12 MB a process. A busy service ends ~1,000 spans/s; 4096 spans cover the 0.5 s
+# between exports plus one export that takes its whole timeout, so a receiver's hiccup loses
+# nothing, and a receiver that stays down costs that memory and no more.
+MAX_QUEUE_SIZE = 4096
+MAX_EXPORT_BATCH_SIZE = 512
+SCHEDULE_DELAY_MS = 500
+# One export, retries included (the exporter's default is 10 s). A receiver on the same host or
+# network answers a 512-span batch in tens of ms; one that takes 2 s is not keeping up, and a
+# shorter wait frees the export thread for the next batch (a dead one fails in about 1 s: a
+# refused connection is retried once after a backoff).
+EXPORT_TIMEOUT_S = 2.0
+# What a service's shutdown gives its queued spans (it waits on nothing else of tracing's).
+SHUTDOWN_TIMEOUT_MS = 3000
+
+SPANS_DROPPED = Counter(
+    "ripplemesh_tracing_spans_dropped",
+    "Spans never delivered to the trace receiver, by reason: queue_full (ended while the export "
+    "queue was full: the receiver is down or slower than spans come), export_failed (the receiver "
+    "refused them or did not answer within the export timeout), shutdown (ended after tracing "
+    "was shut down).",
+    ["reason"],
+)
+for _reason in ("queue_full", "export_failed", "shutdown"):
+    SPANS_DROPPED.labels(_reason)
+SPANS_EXPORTED = Counter(
+    "ripplemesh_tracing_spans_exported", "Spans the trace receiver accepted (OTLP export succeeded)."
+)
+
+log = logging.getLogger(__name__)
+
+
+class CountingExporter(SpanExporter):
+    """An exporter that counts the spans of each export: accepted, or dropped when it failed (the
+    SDK's batch processor discards a failed batch without a word)."""
+
+    def __init__(self, exporter: SpanExporter):
+        self.exporter = exporter
+        self._failed = SPANS_DROPPED.labels("export_failed")
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.exporter.export(spans)
+        except Exception:
+            self._failed.inc(len(spans))
+            raise
+        if result is SpanExportResult.SUCCESS:
+            SPANS_EXPORTED.inc(len(spans))
+        else:
+            self._failed.inc(len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+
+class _CountingProcessorMetrics:
+    """Stands in for the batch processor's own metrics hook (`ProcessorMetricsT`, called where
+    it drops a span: the queue full, or shut down), counting those drops; the SDK's own
+    self-metrics, if enabled, still get every call."""
+
+    _REASONS = {"queue_full": "queue_full", "already_shutdown": "shutdown"}
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def register_queue_size(self, get_queue_size: Any) -> None:
+        self._inner.register_queue_size(get_queue_size)
+
+    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
+        SPANS_DROPPED.labels(self._REASONS.get(error_type, error_type)).inc(count)
+        self._inner.drop_items(count, error_type)
+
+    def finish_items(self, count: int) -> None:
+        self._inner.finish_items(count)
+
+
+class BoundedBatchSpanProcessor(BatchSpanProcessor):
+    """The SDK's BatchSpanProcessor, its drops counted (`SPANS_DROPPED`) and its shutdown
+    bounded (the SDK's waits up to 30 s on a receiver that does not answer). Its force_flush is
+    the SDK's: it ignores its timeout and exports the whole queue, one export timeout a batch at
+    most; shutdown, which exports what is queued too, is what `shutdown_tracing` calls."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        *,
+        max_queue_size: int | None = None,
+        max_export_batch_size: int | None = None,
+        schedule_delay_millis: float | None = None,
+        shutdown_timeout_millis: int = SHUTDOWN_TIMEOUT_MS,
+    ):
+        queue = max_queue_size or _env_int("OTEL_BSP_MAX_QUEUE_SIZE", MAX_QUEUE_SIZE)
+        batch = max_export_batch_size or _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", MAX_EXPORT_BATCH_SIZE)
+        delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", SCHEDULE_DELAY_MS)
+        super().__init__(
+            CountingExporter(exporter),
+            max_queue_size=queue,
+            max_export_batch_size=min(queue, batch),
+            schedule_delay_millis=delay,
+        )
+        self._shutdown_timeout_millis = shutdown_timeout_millis
+        sdk = getattr(self, "_batch_processor", None)
+        if sdk is not None and hasattr(sdk, "_metrics"):
+            sdk._metrics = _CountingProcessorMetrics(sdk._metrics)
+        else:  # an SDK other than the one this was written against (1.45): drops go uncounted
+            log.warning("the OpenTelemetry SDK's batch processor has changed: span drops are not counted")
+
+    def shutdown(self) -> None:
+        """Export what is queued within the shutdown timeout; drop the rest."""
+        self._batch_processor.shutdown(timeout_millis=self._shutdown_timeout_millis)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        log.warning("%s is not an integer: %s used", name, default)
+        return default
+
+
+def otlp_processor(endpoint: str | None = None) -> BoundedBatchSpanProcessor:
+    """Export over OTLP/HTTP to `endpoint` (a ``.../v1/traces`` URL) or, with none, where the
+    ``OTEL_EXPORTER_OTLP_*`` variables say."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    timeout_set = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TIMEOUT"
+    )
+    exporter = OTLPSpanExporter(endpoint=endpoint, timeout=None if timeout_set else EXPORT_TIMEOUT_S)
+    return BoundedBatchSpanProcessor(exporter)
+
+
+# The provider installed with tracing disabled (it hands out no-op tracers): there is then no
+# `_provider`, so LateSpans and ReservedSpans take no ids and build nothing.
+_disabled_provider: TracerProvider | None = None
+
+
 def setup_tracing(service: str, data_dir: Path) -> TracerProvider:
     """Install this process's TracerProvider (idempotent)."""
-    global _provider
+    global _provider, _processor, _disabled_provider
     if _provider is not None:
         return _provider
+    if _disabled_provider is not None:
+        return _disabled_provider
     resource = Resource.create({"service.name": f"ripplemesh-{service}", "service.namespace": "ripplemesh"})
-    global _processor
+    if tracing_disabled():
+        # The SDK's provider reads the same variable: its tracers are no-ops, so no span is
+        # built and no trace context is injected into messages.
+        _disabled_provider = TracerProvider(resource=resource)
+        trace.set_tracer_provider(_disabled_provider)
+        return _disabled_provider
     provider = TracerProvider(resource=resource, id_generator=_ids)
     processor: SpanProcessor
     if otlp_configured():
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        processor = BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=500)
+        processor = otlp_processor()
     else:
         local = LocalSpanExporter(traces_dir(data_dir) / f"{service}-{os.getpid()}.jsonl")
         processor = SimpleSpanProcessor(local)
@@ -169,10 +333,13 @@ def setup_tracing(service: str, data_dir: Path) -> TracerProvider:
 
 
 def shutdown_tracing() -> None:
-    global _provider, _processor
+    """Write or export what is left and stop: within `SHUTDOWN_TIMEOUT_MS` whatever the receiver
+    does (each processor's shutdown flushes its exporter: the local file is closed, the OTLP
+    queue exported until that timeout)."""
+    global _provider, _processor, _disabled_provider
     _processor = None
+    _disabled_provider = None
     if _provider is not None:
-        _provider.force_flush(timeout_millis=3000)
         _provider.shutdown()
         _provider = None
 
@@ -203,6 +370,30 @@ def link_to(
         return []
     span = trace.get_current_span(extract_context({"traceparent": traceparent})).get_span_context()
     return [trace.Link(span, attributes)] if span.is_valid else []
+
+
+class ReservedSpan:
+    """A span whose id is taken now and whose SDK span is built later (`start`), so a message
+    sent before it exists can already point at it: the router's decision span, built after the
+    placement is on its way, is what the prefill span links to as ``placed_by``."""
+
+    __slots__ = ("span_id", "traceparent")
+
+    def __init__(self) -> None:
+        self.span_id = 0
+        self.traceparent: str | None = None
+        parent = trace.get_current_span().get_span_context()
+        if _provider is not None and parent.is_valid and parent.trace_flags.sampled:
+            self.span_id = random.getrandbits(64) or 1
+            self.traceparent = f"00-{parent.trace_id:032x}-{self.span_id:016x}-01"
+
+    def start(self, name: str, *, start_time: int | None = None) -> trace.Span:
+        """Build the span under the current context, with the reserved id when one was taken."""
+        if self.span_id:
+            _ids.reserve(self.span_id)
+        span = tracer().start_span(name, start_time=start_time)
+        _ids.reserve(0)  # unused if the SDK built no span
+        return span
 
 
 def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
