@@ -191,8 +191,9 @@ def bench_ledger(events: int, batch: int, postgres_url: str | None) -> None:
     "--scenario",
     "scenarios",
     multiple=True,
-    type=click.Choice(["azure", "mooncake", "agentic"]),
-    help="Workloads to time (repeatable; default: all three).",
+    type=click.Choice(["azure", "mooncake", "agentic", "workflow"]),
+    help="Workloads to time (repeatable; default: all four; workflow: a recorded workflow trace "
+    "the bench writes, replayed closed loop).",
 )
 @click.option("--policy", default="ripplemesh", show_default=True, type=click.Choice(SIM_POLICIES))
 @click.option(

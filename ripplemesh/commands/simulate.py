@@ -21,7 +21,8 @@ SIM_POLICIES = (
 @click.option(
     "--workload",
     required=True,
-    help="A Mooncake trace (.jsonl), an Azure trace (.csv), or the generator: agentic[:key=value,...].",
+    help="A trace: Mooncake or workflow (.jsonl, options as PATH:kind=workflow,replay=open,...) or "
+    "Azure (.csv); or a generator: agentic, coding or rag-chat[:key=value,...].",
 )
 @click.option(
     "--fleet",
@@ -63,7 +64,7 @@ SIM_POLICIES = (
 @click.option(
     "--deadline", "deadline_s", type=float, default=None, help="Traces: a per-request deadline in seconds."
 )
-@click.option("--seed", type=int, default=None, help="The agentic generator's seed.")
+@click.option("--seed", type=int, default=None, help="The generator's seed.")
 @click.option("--slo-ttft", type=float, default=2.0, show_default=True, help="TTFT SLO in seconds.")
 @click.option(
     "--slo-tpot", type=float, default=0.1, show_default=True, help="Time-per-output-token SLO in seconds."
@@ -74,6 +75,12 @@ SIM_POLICIES = (
     help="Skip the infinite-cache bound (its memory grows with the workload).",
 )
 @click.option("--no-plots", is_flag=True, help="JSON only.")
+@click.option(
+    "--skip-bad",
+    is_flag=True,
+    help="Workflow traces: count and skip bad lines (the results' workload.skipped_lines) "
+    "rather than stop at the first.",
+)
 @click.option(
     "--router-config",
     default=None,
@@ -105,6 +112,7 @@ def simulate(
     slo_tpot: float,
     no_upper_bound: bool,
     no_plots: bool,
+    skip_bad: bool,
     router_config: str | None,
     autoscaler: str,
 ) -> None:
@@ -135,6 +143,7 @@ def simulate(
             admissions=admissions,
             router_config=router_config,
             autoscaler=autoscaler,
+            skip_bad=skip_bad,
         )
     except (ValueError, msgspec.ValidationError) as exc:
         raise click.UsageError(str(exc)) from exc

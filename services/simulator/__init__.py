@@ -7,10 +7,13 @@ from services.simulator.core import SimOptions, Simulator, run_simulation
 from services.simulator.fleet import FleetSpec, PoolSpec, parse_fleet
 from services.simulator.metrics import SimResult
 from services.simulator.policies import POLICY_NAMES
+from services.simulator.recorded import WorkflowTrace
 from services.simulator.workload import (
     AgenticWorkload,
     AzureTrace,
+    CodingAgentWorkload,
     MooncakeTrace,
+    RagChatWorkload,
     Workload,
     load_workload,
 )
@@ -20,12 +23,15 @@ __all__ = [
     "POLICY_NAMES",
     "AgenticWorkload",
     "AzureTrace",
+    "CodingAgentWorkload",
     "FleetSpec",
     "MooncakeTrace",
     "PoolSpec",
+    "RagChatWorkload",
     "SimOptions",
     "SimResult",
     "Simulator",
+    "WorkflowTrace",
     "Workload",
     "load_workload",
     "parse_fleet",

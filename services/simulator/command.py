@@ -14,7 +14,7 @@ from services.simulator.fleet import parse_fleet
 from services.simulator.harness import compare
 from services.simulator.metrics import SimResult
 from services.simulator.policies import POLICY_NAMES, parse_router_config
-from services.simulator.workload import AgenticWorkload, Workload, load_workload
+from services.simulator.workload import AgenticWorkload, Workload, generator_name, load_workload
 
 
 def parse_window(text: str | None) -> tuple[float, float] | None:
@@ -32,7 +32,7 @@ def parse_window(text: str | None) -> tuple[float, float] | None:
 
 
 def run_seed(workload: Workload, seed: int | None = None) -> int:
-    """The simulator's seed for a run: the agentic generator's own, else `seed` (0 when None)."""
+    """The simulator's seed for a run: the generator's own, else `seed` (0 when None)."""
     return workload.seed if isinstance(workload, AgenticWorkload) else (seed or 0)
 
 
@@ -59,13 +59,15 @@ def simulate(
     admissions: Sequence[str] = (),
     router_config: str | None = None,
     autoscaler: str = DEFAULT_AUTOSCALER,
+    skip_bad: bool = False,
 ) -> list[SimResult]:
     """Run every policy in `policies` (all of them when empty) under every admission variant in
     `admissions` (ripplemesh's when empty; simulator/admission.py) on the workload and fleet,
     with ripplemesh's policy's knobs as `router_config` sets them (`key=value,...`), the
-    autoscaled pools following `autoscaler` (simulator/autoscaling.py)."""
+    autoscaled pools following `autoscaler` (simulator/autoscaling.py); `skip_bad` counts and
+    skips a workflow trace's bad lines (recorded.py) rather than stopping at the first."""
     spec = workload
-    if seed is not None and (spec == "agentic" or spec.startswith("agentic:")) and "seed=" not in spec:
+    if seed is not None and generator_name(spec) is not None and "seed=" not in spec:
         spec = f"{spec}{',' if ':' in spec else ':'}seed={seed}"
     loaded = load_workload(
         spec,
@@ -76,6 +78,7 @@ def simulate(
         model=model,
         repeat=repeat,
         deadline_s=deadline_s,
+        skip_bad=skip_bad,
     )
     options = SimOptions(
         abandon_past_deadline=abandon_past_deadline,

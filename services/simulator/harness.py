@@ -105,6 +105,9 @@ def comparison_table(results: Sequence[SimResult]) -> Table:
         title = f"{first.workload['name']} on {pools}: {first.tasks:,} tasks, {first.requests:,} requests"
         if any(p["autoscale"] for p in first.fleet["pools"]):
             title += f", autoscaler {first.autoscaler}"
+        skipped = first.workload.get("skipped_lines")
+        if skipped:
+            title += f", {skipped:,} bad lines skipped (first: {first.workload.get('first_skipped')})"
     table = Table(title=title, title_justify="left")
     columns = (
         "policy",

@@ -62,12 +62,25 @@ class Requests(Fleet):
         elif self._admit(req, now):
             self._route(req, now)
 
+    @staticmethod
+    def _first_token_deadline(req: _RequestRun) -> float | None:
+        """When the client gives up on a first token (a workflow trace's `deadline_ms`)."""
+        wait = req.spec.first_token_deadline_s
+        return req.arrival + wait if wait is not None else None
+
+    def _give_up_at(self, req: _RequestRun) -> float | None:
+        """The first of the request's deadlines: for its first token and for its last."""
+        deadlines = (self._first_token_deadline(req), req.deadline_at)
+        return min((d for d in deadlines if d is not None), default=None)
+
     def _hold(self, req: _RequestRun, now: float, *, admitted: bool) -> None:
-        """No decode worker serves the model: the request waits for one, until its deadline or,
-        without one, `hold_limit_s`; the first held asks the autoscaler for a plan now."""
+        """No decode worker serves the model: the request waits for one, until its first
+        deadline or, without one, `hold_limit_s`; the first held asks the autoscaler for a plan
+        now."""
         self._held[req.rid] = (req, admitted)
         self.held_requests += 1
-        until = req.deadline_at if req.deadline_at is not None else now + self.fleet.hold_limit_s
+        give_up = self._give_up_at(req)
+        until = give_up if give_up is not None else now + self.fleet.hold_limit_s
         self._push(max(now, until), _HOLD, req.rid)
         if len(self._held) == 1:
             self._plan_soon(now)
@@ -157,10 +170,12 @@ class Requests(Fleet):
             decode_worker.reserved += 1
             req.reserved = decode_worker
         self._kick(prefill_worker, now)
-        if req.deadline_at is not None and self.options.abandon_past_deadline:
-            # The event names the request; the request itself is let go of when it ends.
+        give_up = self._give_up_at(req)
+        if give_up is not None and self.options.abandon_past_deadline:
+            # The event names the request; the request itself is let go of when it ends. A first-
+            # token deadline admission could not see may have passed while it deferred: now, then.
             self._deadlines[req.rid] = req
-            self._push(req.deadline_at, _DEADLINE, req.rid)
+            self._push(max(now, give_up), _DEADLINE, req.rid)
 
     def _release(self, req: _RequestRun, seq: Seq) -> None:
         worker = req.workers.pop(seq)
@@ -260,7 +275,10 @@ class Requests(Fleet):
         self._ended(req, now, admitted=True, slo_met=ttft_ok and tpot_ok)
         task_run = req.task_run
         task_run.max_completed_step = max(task_run.max_completed_step, req.index)
-        if req.deadline_at is not None and now > req.deadline_at:
+        first_deadline = self._first_token_deadline(req)
+        if (req.deadline_at is not None and now > req.deadline_at) or (
+            first_deadline is not None and first > first_deadline
+        ):
             task_run.deadline_misses += 1
         if req.index >= task_run.task.steps:
             task_run.final_completed_at = now
@@ -326,6 +344,16 @@ class Requests(Fleet):
     def _deadline(self, req: _RequestRun, now: float) -> None:
         if req.done:
             return
+        first_deadline = self._first_token_deadline(req)
+        if first_deadline is not None and now >= first_deadline and req.first_token_at is None:
+            reason = "first_token_deadline"
+        elif req.deadline_at is not None and now >= req.deadline_at:
+            reason = "deadline"
+        else:  # the first token came in time: the client waits on, to its deadline for the last
+            if req.deadline_at is not None:
+                self._deadlines[req.rid] = req
+                self._push(req.deadline_at, _DEADLINE, req.rid)
+            return
         # The client gives up: its request is cancelled wherever it is.
         for seq in list(req.workers):
             worker = req.workers[seq]
@@ -337,7 +365,7 @@ class Requests(Fleet):
         if req.reserved is not None:
             req.reserved.reserved -= 1
             req.reserved = None
-        self._fail(req, "client", "deadline", now)
+        self._fail(req, "client", reason, now)
 
     def _release_cancelled(self, req: _RequestRun, seq: Seq, worker: SimWorker) -> None:
         req.workers.pop(seq, None)

@@ -17,12 +17,20 @@ def key_values(text: str, what: str) -> dict[str, str]:
     return options
 
 
+TRUE = ("true", "yes", "on", "1")
+FALSE = ("false", "no", "off", "0")
+
+
 def convert(key: str, value: str, kind: Any, what: str) -> Any:
-    """`value` as the field's type: int, float (`none` too where the field may be None), else
-    the string."""
+    """`value` as the field's type: bool, int, float (`none` too where the field may be None),
+    else the string."""
     text = str(kind)
     if value.lower() == "none" and "None" in text:
         return None
+    if kind is bool:
+        if value.lower() not in TRUE + FALSE:
+            raise ValueError(f"{what} option {key}={value!r}: expected true or false")
+        return value.lower() in TRUE
     try:
         if kind is int or text.startswith("int"):
             return int(value)

@@ -22,7 +22,12 @@ are equal. Every hash chain is seeded with `block_hash.chain_seed(model)`, as th
   is the previous step's prompt plus its output plus a tool result (so later steps share the
   earlier steps' prefix), think time between steps, per-step deadlines, and optional
   application-level step failures. Every random draw comes from the workflow's own seeded
-  generator, so the workload is identical whatever the policy under test does.
+  generator, so the workload is identical whatever the policy under test does. Its families,
+  the same machinery with other defaults: `CodingAgentWorkload` (tenants' shared repository
+  contexts, long outputs) and `RagChatWorkload` (short prompts, mostly one turn, bursts).
+
+Workflow traces (recorded workflows replayed closed loop) are `recorded.py`'s `WorkflowTrace`, a
+`MooncakeTrace` whose lines may carry tenants, priorities, deadlines and workflow steps.
 
 Every workload takes `rate_scale` (replay at k x the arrival rate), `window` (a time window of
 the trace, in seconds from its start; arrivals are re-based to 0) and `limit` (at most N tasks);
@@ -83,9 +88,12 @@ class Step:
     prompt_tokens: int
     output_tokens: int
     block_hashes: list[int]
-    deadline_s: float | None = None  # after the step's arrival
+    deadline_s: float | None = None  # for its last token, after the step's arrival
     think_s: float = 0.0  # the wait after the previous step completes (0 for the first)
     fails: bool = False  # the step's result is unusable: an application-level failure
+    # For its first token, after the step's arrival (workflow traces' `deadline_ms`): the client
+    # gives up without one by then. The mesh's policies see only `deadline_s`.
+    first_token_deadline_s: float | None = None
 
 
 class Task(ABC):
@@ -290,23 +298,46 @@ class MooncakeTrace(_Trace):
             last = line.timestamp
         return last / 1000.0
 
+    def _repeat_period(self, duration_s: float, lines: int) -> float:
+        """The offset between copies of the trace (`repeat`): its duration and one mean gap."""
+        if self.repeat == 1:
+            return 0.0
+        return duration_s + duration_s / max(1, lines) if duration_s > 0 else 1.0
+
     def _records(self) -> Iterator[Record]:
-        period = 0.0
-        if self.repeat > 1:
-            duration = self._duration()
-            period = duration + duration / max(1, self._line_count()) if duration > 0 else 1.0
+        period = self._repeat_period(self._duration(), self._line_count()) if self.repeat > 1 else 0.0
         for copy in range(self.repeat):
             for line in self._lines():
                 yield (line.timestamp / 1000.0 + copy * period, self._builder(line, copy))
 
+    def _step(
+        self,
+        input_length: int,
+        output_length: int,
+        hash_ids: list[int],
+        copy: int,
+        *,
+        deadline_s: float | None,
+        first_token_deadline_s: float | None = None,
+        think_s: float = 0.0,
+        fails: bool = False,
+    ) -> Step:
+        """A trace line's request (Mooncake's fields; a workflow trace's deadlines, think time and
+        whether its agent stops after it)."""
+        return Step(
+            prompt_tokens=input_length,
+            output_tokens=max(1, output_length),
+            block_hashes=self._hashes(hash_ids, input_length, copy),
+            deadline_s=deadline_s,
+            think_s=think_s,
+            fails=fails,
+            first_token_deadline_s=first_token_deadline_s,
+        )
+
     def _builder(self, line: _MooncakeLine, copy: int) -> Callable[[float, int], Task]:
         def build(arrival: float, index: int) -> Task:
-            prompt = line.input_length
-            step = Step(
-                prompt_tokens=prompt,
-                output_tokens=max(1, line.output_length),
-                block_hashes=self._hashes(line.hash_ids, prompt, copy),
-                deadline_s=self.deadline_s,
+            step = self._step(
+                line.input_length, line.output_length, line.hash_ids, copy, deadline_s=self.deadline_s
             )
             return SingleRequest(f"mc{index}", self.tenant, self.priority, arrival, step)
 
@@ -414,6 +445,10 @@ class AgenticTenant:
     system_prompt_tokens: int = 1000  # shared by all of the tenant's workflows
     step_deadline_s: float | None = 60.0
     quota: TenantQuota = UNLIMITED
+    # Shared contexts after the system prompt (a coding agent's repository): `contexts` of
+    # `context_tokens` each; each workflow works on one, drawn uniformly (none by default).
+    contexts: int = 0
+    context_tokens: int = 0
 
 
 DEFAULT_TENANTS: tuple[AgenticTenant, ...] = (
@@ -460,7 +495,56 @@ SHARED_TENANTS: tuple[AgenticTenant, ...] = (
     ),
     DEFAULT_TENANTS[2],
 )
-TENANT_SETS: dict[str, tuple[AgenticTenant, ...]] = {"default": DEFAULT_TENANTS, "shared": SHARED_TENANTS}
+# Coding agents: each tenant's workflows share its repositories' contexts (tens of thousands of
+# tokens after the system prompt), so a step's prompt is mostly a prefix other workflows hold.
+CODING_TENANTS: tuple[AgenticTenant, ...] = (
+    AgenticTenant(
+        "ide",
+        "critical",
+        0.4,
+        system_prompt_tokens=2000,
+        step_deadline_s=60.0,
+        contexts=4,
+        context_tokens=24_000,
+    ),
+    AgenticTenant(
+        "agents",
+        "standard",
+        0.4,
+        system_prompt_tokens=3000,
+        step_deadline_s=120.0,
+        contexts=6,
+        context_tokens=40_000,
+    ),
+    AgenticTenant(
+        "ci",
+        "sheddable",
+        0.2,
+        system_prompt_tokens=1500,
+        step_deadline_s=600.0,
+        contexts=2,
+        context_tokens=32_000,
+    ),
+)
+
+# Chat assistants with retrieval: a short system prompt, then the question and the passages
+# retrieved for it, which differ from question to question (nothing shared past the system prompt).
+RAG_CHAT_TENANTS: tuple[AgenticTenant, ...] = (
+    AgenticTenant("support", "critical", 0.5, system_prompt_tokens=300, step_deadline_s=10.0),
+    AgenticTenant("search", "standard", 0.3, system_prompt_tokens=200, step_deadline_s=20.0),
+    AgenticTenant("internal", "sheddable", 0.2, system_prompt_tokens=400, step_deadline_s=60.0),
+)
+TENANT_SETS: dict[str, tuple[AgenticTenant, ...]] = {
+    "default": DEFAULT_TENANTS,
+    "shared": SHARED_TENANTS,
+    "coding": CODING_TENANTS,
+    "rag-chat": RAG_CHAT_TENANTS,
+}
+
+
+def _segment_id(name: str) -> int:
+    """A named segment's identity (a system prompt, a shared context): the same in every process."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 class _Chain:
@@ -566,7 +650,7 @@ class _Workflow(Task):
         self._thinks = thinks
         self._fails = fails
         self._deadline = tenant.step_deadline_s
-        self._chain = system.copy()  # the tenant's system prompt, hashed once per workload
+        self._chain = system.copy()  # the tenant's system prompt (and context), hashed once per workload
 
     def step(self, index: int) -> Step:
         if not 1 <= index <= self.steps:
@@ -596,6 +680,8 @@ class AgenticWorkload(Workload):
     tenants_spec: tuple[AgenticTenant, ...] = DEFAULT_TENANTS
     min_steps: int = 2
     max_steps: int = 8
+    # Weights of min_steps..max_steps workflow lengths (uniform when empty).
+    step_weights: tuple[float, ...] = ()
     task_tokens: float = 600.0  # the user's request, in step 1
     tool_tokens: float = 400.0  # each later step's tool result
     output_tokens: float = 250.0
@@ -623,6 +709,14 @@ class AgenticWorkload(Workload):
             raise ValueError("at least one tenant")
         if not 1 <= self.min_steps <= self.max_steps:
             raise ValueError("need 1 <= min_steps <= max_steps")
+        if self.step_weights and (
+            len(self.step_weights) != self.max_steps - self.min_steps + 1
+            or min(self.step_weights) < 0
+            or sum(self.step_weights) <= 0
+        ):
+            raise ValueError("step_weights: one weight >= 0 per length from min_steps to max_steps")
+        if any(t.contexts < 0 or t.context_tokens < 0 for t in self.tenants_spec):
+            raise ValueError("a tenant's contexts and context_tokens must be >= 0")
         if self.workflows < 0 or self.rate_per_s <= 0:
             raise ValueError("workflows must be >= 0 and rate_per_s > 0")
         if not 0.0 <= self.failure_rate <= 1.0:
@@ -644,11 +738,17 @@ class AgenticWorkload(Workload):
         systems = []
         for t in self.tenants_spec:
             chain = _Chain(chain_seed(self.model), self.block_size)
-            segment = int.from_bytes(
-                hashlib.blake2b(f"system/{t.name}".encode(), digest_size=8).digest(), "little"
-            )
-            chain.append(segment, t.system_prompt_tokens)
+            chain.append(_segment_id(f"system/{t.name}"), t.system_prompt_tokens)
             systems.append(chain)
+        # Each tenant's shared contexts, each after its system prompt: hashed once per workload.
+        contexts: list[list[_Chain]] = []
+        for t, system in zip(self.tenants_spec, systems, strict=True):
+            chains = []
+            for j in range(t.contexts):
+                chain = system.copy()
+                chain.append(_segment_id(f"context/{t.name}/{j}"), t.context_tokens)
+                chains.append(chain)
+            contexts.append(chains)
         at = 0.0
         bursty = self.burst_s > 0 and self.burst_factor != 1.0
         for i in range(self.workflows):
@@ -656,7 +756,7 @@ class AgenticWorkload(Workload):
                 at = self._next_arrival(arrivals, at)
             else:
                 at += arrivals.expovariate(self.rate_per_s)
-            yield (at, self._builder(i, shares, systems))
+            yield (at, self._builder(i, shares, systems, contexts))
 
     def _rate_until(self, t: float) -> tuple[float, float]:
         """The arrival rate in force at `t` (bursts on) and when it next changes."""
@@ -682,12 +782,17 @@ class AgenticWorkload(Workload):
             left -= (until - t) * rate
             t = until
 
-    def _builder(self, i: int, shares: list[float], systems: list[_Chain]) -> Callable[[float, int], Task]:
+    def _builder(
+        self, i: int, shares: list[float], systems: list[_Chain], contexts: list[list[_Chain]]
+    ) -> Callable[[float, int], Task]:
         def build(arrival: float, index: int) -> Task:
             rng = random.Random(mix64(self.seed * 1_000_003 + i))
             which = rng.choices(range(len(self.tenants_spec)), weights=shares)[0]
             tenant = self.tenants_spec[which]
-            steps = rng.randint(self.min_steps, self.max_steps)
+            if self.step_weights:
+                steps = rng.choices(range(self.min_steps, self.max_steps + 1), weights=self.step_weights)[0]
+            else:
+                steps = rng.randint(self.min_steps, self.max_steps)
             news = [self._size(rng, self.task_tokens)] + [
                 self._size(rng, self.tool_tokens) for _ in range(steps - 1)
             ]
@@ -696,11 +801,13 @@ class AgenticWorkload(Workload):
                 rng.expovariate(1.0 / self.think_s) if self.think_s > 0 else 0.0 for _ in range(steps - 1)
             ]
             fails = [rng.random() < self.failure_rate for _ in range(steps)]
+            # Drawn last, and only with contexts, so that workloads without keep their draws.
+            system = rng.choice(contexts[which]) if contexts[which] else systems[which]
             return _Workflow(
                 task_id=f"wf{i}",
                 uid=i,
                 tenant=tenant,
-                system=systems[which],
+                system=system,
                 arrival_s=arrival,
                 news=news,
                 outputs=outputs,
@@ -727,6 +834,7 @@ class AgenticWorkload(Workload):
             "workflows": self.workflows,
             "rate_per_s": self.rate_per_s,
             "steps": [self.min_steps, self.max_steps],
+            **({"step_weights": list(self.step_weights)} if self.step_weights else {}),
             "task_tokens": self.task_tokens,
             "tool_tokens": self.tool_tokens,
             "output_tokens": self.output_tokens,
@@ -741,10 +849,71 @@ class AgenticWorkload(Workload):
                     "system_prompt_tokens": t.system_prompt_tokens,
                     "step_deadline_s": t.step_deadline_s,
                     "weight": t.quota.weight,
+                    **({"contexts": t.contexts, "context_tokens": t.context_tokens} if t.contexts else {}),
                 }
                 for t in self.tenants_spec
             ],
         }
+
+
+# ------------------------------------------------------------------ two more families
+
+# The generator's machinery with other tenants (CODING_TENANTS, RAG_CHAT_TENANTS) and sizes, as a
+# check that it is general. Every value is a chosen illustration unless docs/simulator.md
+# ("Synthetic families") cites a source.
+
+
+@dataclass
+class CodingAgentWorkload(AgenticWorkload):
+    """Coding agents: long shared repository contexts, several steps, long outputs (edits), tool
+    results of file reads and test runs, and the tools' running time between steps."""
+
+    workflows: int = 500
+    rate_per_s: float = 0.5
+    tenants_spec: tuple[AgenticTenant, ...] = CODING_TENANTS
+    min_steps: int = 3
+    max_steps: int = 12
+    task_tokens: float = 800.0  # the issue or instruction
+    tool_tokens: float = 1500.0  # a file read, a diff, a test log
+    output_tokens: float = 800.0  # an edit or a patch
+    spread: float = 0.8
+    think_s: float = 5.0  # the tool's run (tests, a build)
+    name: str = field(default="coding", init=False)
+
+
+@dataclass
+class RagChatWorkload(AgenticWorkload):
+    """Chat assistants with retrieval: mostly one turn, some two or three, each turn's prompt the
+    conversation so far plus the question and its freshly retrieved passages; bursty arrivals."""
+
+    workflows: int = 2000
+    rate_per_s: float = 2.0
+    tenants_spec: tuple[AgenticTenant, ...] = RAG_CHAT_TENANTS
+    min_steps: int = 1
+    max_steps: int = 3
+    step_weights: tuple[float, ...] = (0.6, 0.25, 0.15)
+    task_tokens: float = 850.0  # the question and its passages
+    tool_tokens: float = 900.0  # a follow-up and its passages
+    output_tokens: float = 210.0
+    think_s: float = 20.0  # the user reads and types
+    burst_factor: float = 8.0
+    burst_s: float = 20.0
+    burst_every_s: float = 120.0
+    name: str = field(default="rag-chat", init=False)
+
+
+# The generators by spec name (`load_workload`).
+GENERATORS: dict[str, type[AgenticWorkload]] = {
+    "agentic": AgenticWorkload,
+    "coding": CodingAgentWorkload,
+    "rag-chat": RagChatWorkload,
+}
+
+
+def generator_name(spec: str) -> str | None:
+    """The generator a workload spec names (`agentic`, `coding:workflows=50`, ...), else None."""
+    name = spec.partition(":")[0]
+    return name if name in GENERATORS else None
 
 
 # ------------------------------------------------------------------ synthetic traces for tests
@@ -801,6 +970,33 @@ def random_prompt_hashes(model: str, block_size: int, blocks: int, salt: int) ->
 # ------------------------------------------------------------------ from a command-line spec
 
 
+# A generator spec's options (`agentic:key=value,...`): the generator's fields, by type.
+GENERATOR_OPTIONS: dict[str, Any] = {
+    "workflows": int,
+    "rate_per_s": float,
+    "min_steps": int,
+    "max_steps": int,
+    "step_weights": str,  # a/b/c: one weight per length from min_steps to max_steps
+    "task_tokens": float,
+    "tool_tokens": float,
+    "output_tokens": float,
+    "spread": float,
+    "max_tokens_per_step": int,
+    "think_s": float,
+    "failure_rate": float,
+    "burst_factor": float,
+    "burst_s": float,
+    "burst_every_s": float,
+    "seed": int,
+    "block_size": int,
+    "model": str,
+    "tenants": str,  # a name in TENANT_SETS
+}
+# A JSONL trace's options (`trace.jsonl:key=value,...`): which format, and a workflow trace's.
+TRACE_OPTIONS: dict[str, Any] = {"kind": str, "replay": str, "skip_bad": bool}
+JSONL_KINDS = ("mooncake", "workflow")
+
+
 def load_workload(
     spec: str,
     *,
@@ -811,55 +1007,98 @@ def load_workload(
     model: str | None = None,
     repeat: int = 1,
     deadline_s: float | None = None,
+    skip_bad: bool = False,
 ) -> Workload:
-    """A workload from a command-line spec: a Mooncake `.jsonl` file, an Azure `.csv` file, or
-    `agentic[:key=value,...]` (keys: the fields of `AgenticWorkload`, e.g.
-    `agentic:workflows=5000,rate_per_s=20,seed=1`; `tenants=shared` picks `SHARED_TENANTS`)."""
+    """A workload from a command-line spec:
+
+    - a generator, `agentic[:key=value,...]`, `coding[:...]` or `rag-chat[:...]` (GENERATORS; keys:
+      GENERATOR_OPTIONS, e.g. `agentic:workflows=5000,rate_per_s=20,seed=1`; `tenants=shared`
+      picks `SHARED_TENANTS`, `step_weights=0.6/0.3/0.1` the workflows' lengths);
+    - a trace file, `PATH[:key=value,...]` (TRACE_OPTIONS): a `.jsonl` file is a workflow trace
+      (recorded.py) when a line carries a field beyond Mooncake's, else a Mooncake trace, unless
+      `kind=mooncake` or `kind=workflow` says which; a workflow trace takes `replay=closed|open`
+      and `skip_bad=true` (as `skip_bad` here: the command's `--skip-bad`); a `.csv` file is an
+      Azure trace.
+    """
     common: dict[str, Any] = {"rate_scale": rate_scale, "window": window, "limit": limit}
     if model is not None:
         common["model"] = model
-    if spec == "agentic" or spec.startswith("agentic:"):
-        options = key_values(spec.partition(":")[2], "agentic")
-        kinds = {
-            "workflows": int,
-            "rate_per_s": float,
-            "min_steps": int,
-            "max_steps": int,
-            "task_tokens": float,
-            "tool_tokens": float,
-            "output_tokens": float,
-            "spread": float,
-            "max_tokens_per_step": int,
-            "think_s": float,
-            "failure_rate": float,
-            "burst_factor": float,
-            "burst_s": float,
-            "burst_every_s": float,
-            "seed": int,
-            "block_size": int,
-            "model": str,
-            "tenants": str,
-        }
-        unknown = sorted(set(options) - set(kinds))
-        if unknown:
-            raise ValueError(f"unknown agentic option(s) {', '.join(unknown)}; known: {', '.join(kinds)}")
-        values = {k: convert(k, v, kinds[k], "agentic") for k, v in options.items()}
-        if "tenants" in values:
-            name = values.pop("tenants")
-            if name not in TENANT_SETS:
-                raise ValueError(f"unknown tenant set {name!r}; known: {', '.join(TENANT_SETS)}")
-            values["tenants_spec"] = TENANT_SETS[name]
-        if block_size is not None:
-            values.setdefault("block_size", block_size)
-        return AgenticWorkload(**{**common, **values})
-    path = Path(spec)
-    if not path.exists():
-        raise ValueError(f"workload {spec!r}: no such file, and not 'agentic[:...]'")
+    generator = generator_name(spec)
+    if generator is not None:
+        if skip_bad:
+            raise ValueError(f"skip_bad is for trace files, not the {generator} generator")
+        return _generator(generator, spec.partition(":")[2], common, block_size)
+    path, options = _trace_spec(spec)
     extra: dict[str, Any] = {"repeat": repeat, "deadline_s": deadline_s}
     if block_size is not None:
         extra["block_size"] = block_size
     if path.suffix == ".jsonl":
-        return MooncakeTrace(path, **common, **extra)
+        return _jsonl_trace(path, options, skip_bad, {**common, **extra})
     if path.suffix == ".csv":
+        if options or skip_bad:
+            raise ValueError(f"workload {spec!r}: an Azure trace takes no options")
         return AzureTrace(path, **common, **extra)
-    raise ValueError(f"workload {spec!r}: expected a Mooncake .jsonl or an Azure .csv file")
+    raise ValueError(f"workload {spec!r}: expected a Mooncake or workflow .jsonl or an Azure .csv file")
+
+
+def _generator(name: str, text: str, common: dict[str, Any], block_size: int | None) -> AgenticWorkload:
+    options = key_values(text, name)
+    unknown = sorted(set(options) - set(GENERATOR_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"unknown {name} option(s) {', '.join(unknown)}; known: {', '.join(GENERATOR_OPTIONS)}"
+        )
+    values = {k: convert(k, v, GENERATOR_OPTIONS[k], name) for k, v in options.items()}
+    if "tenants" in values:
+        tenants = values.pop("tenants")
+        if tenants not in TENANT_SETS:
+            raise ValueError(f"unknown tenant set {tenants!r}; known: {', '.join(TENANT_SETS)}")
+        values["tenants_spec"] = TENANT_SETS[tenants]
+    if "step_weights" in values:
+        weights = values["step_weights"]
+        try:
+            values["step_weights"] = tuple(float(w) for w in weights.split("/"))
+        except ValueError:
+            raise ValueError(f"{name} option step_weights={weights!r}: expected e.g. 0.6/0.3/0.1") from None
+    if block_size is not None:
+        values.setdefault("block_size", block_size)
+    return GENERATORS[name](**{**common, **values})
+
+
+def _trace_spec(spec: str) -> tuple[Path, dict[str, Any]]:
+    """`PATH` or `PATH:key=value,...`: the file and its options (TRACE_OPTIONS)."""
+    path = Path(spec)
+    text = ""
+    if not path.exists():
+        head, sep, text = spec.rpartition(":")
+        if not (sep and "=" in text and Path(head).exists()):
+            raise ValueError(
+                f"workload {spec!r}: no such file, and not a generator ({', '.join(GENERATORS)}[:...])"
+            )
+        path = Path(head)
+    options = key_values(text, f"trace {path.name}")
+    unknown = sorted(set(options) - set(TRACE_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown trace option(s) {', '.join(unknown)}; known: {', '.join(TRACE_OPTIONS)}")
+    return path, {k: convert(k, v, TRACE_OPTIONS[k], f"trace {path.name}") for k, v in options.items()}
+
+
+def _jsonl_trace(path: Path, options: dict[str, Any], skip_bad: bool, fields: dict[str, Any]) -> Workload:
+    """A Mooncake or a workflow trace, as `load_workload` says."""
+    # recorded.py builds on this module's MooncakeTrace: imported here, once this module is.
+    from services.simulator.recorded import WorkflowTrace, carries_workflow_fields
+
+    skip_bad = options.get("skip_bad", skip_bad)
+    kind = options.get("kind")
+    workflow_only = [
+        name for name, given in (("replay", "replay" in options), ("skip_bad", skip_bad)) if given
+    ]
+    if kind is None:
+        kind = "workflow" if workflow_only or carries_workflow_fields(path) else "mooncake"
+    if kind not in JSONL_KINDS:
+        raise ValueError(f"trace {path.name}: kind={kind!r}, expected one of {', '.join(JSONL_KINDS)}")
+    if kind == "mooncake":
+        if workflow_only:
+            raise ValueError(f"trace {path.name}: {', '.join(workflow_only)}: only for kind=workflow")
+        return MooncakeTrace(path, **fields)
+    return WorkflowTrace(path, replay=options.get("replay", "closed"), skip_bad=skip_bad, **fields)
