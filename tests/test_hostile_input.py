@@ -185,7 +185,9 @@ async def _publish_and_check(mesh: Mesh, batch: list[tuple[Target, bytes]]) -> N
         assert not missing, f"undecodable messages not dead-lettered, on: {missing}"
         for marker, letter in found.items():
             assert letter.subject == expected[marker].subject
-            assert letter.reason.startswith("undecodable: "), letter.reason
+            # By its consumer, or (a worker's work) by the router that took over a worker it
+            # thought lost, on a loaded machine: "undecodable work of gone worker ...".
+            assert letter.reason.startswith("undecodable"), letter.reason
     finally:
         await nc.drain()
 
