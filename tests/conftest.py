@@ -28,6 +28,8 @@ from services.mesh.nats_auth import NatsAuth, auth_for_config
 
 TEST_KEY = "rm-test-key"
 TINY_KEY = "rm-tiny-key"
+LOWLY_KEY = "rm-lowly-key"  # a sheddable-only tenant that may not ask above its class
+PLAIN_KEY = "rm-plain-key"  # a standard tenant with the defaults: asking above is downgraded
 
 
 def _digest(key: str) -> str:
@@ -49,6 +51,7 @@ max_context_tokens = 4096
 
 [tenants.acme]
 api_keys_sha256 = ["{_digest(TEST_KEY)}"]
+max_priority = "critical"
 requests_per_s = 1000.0
 request_burst = 1000.0
 tokens_per_s = 10000000.0
@@ -60,6 +63,14 @@ requests_per_s = 0.05
 request_burst = 1.0
 tokens_per_s = 100000.0
 token_burst = 100000.0
+
+[tenants.plain]
+api_keys_sha256 = ["{_digest(PLAIN_KEY)}"]
+
+[tenants.lowly]
+api_keys_sha256 = ["{_digest(LOWLY_KEY)}"]
+priority = "sheddable"
+above_max_priority = "reject"
 
 [gpu_prices_per_hour]
 H100 = 3.6

@@ -373,3 +373,50 @@ def test_the_documented_api_never_fails_on_what_clients_send(case: Any, mesh: Me
 
 def test_no_service_behind_the_ingress_died_of_it(mesh: Mesh) -> None:
     assert [c.name for c in mesh.children if c.process is None or c.process.poll() is not None] == []
+
+
+async def test_a_header_cannot_lift_a_tenant_above_its_class(mesh: Mesh, bus: Bus) -> None:
+    """`x-ripple-priority: critical` from a tenant allowed only its own class: a 403 naming the
+    header where its config says reject, its own class where it says downgrade."""
+    from schemas.events import AdmissionDecision, decode_event
+    from tests.conftest import LOWLY_KEY, PLAIN_KEY
+
+    url = f"http://127.0.0.1:{mesh.http_port}/v1"
+    lowly = OpenAI(base_url=url, api_key=LOWLY_KEY, max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        lowly.chat.completions.create(
+            model="llama-3-8b",
+            messages=[{"role": "user", "content": "me first"}],
+            max_tokens=3,
+            extra_headers={"x-ripple-priority": "critical"},
+        )
+    assert refused.value.status_code == 403 and "x-ripple-priority" in str(refused.value.body)
+    # Its own class, or none asked, it is served.
+    done = lowly.chat.completions.create(
+        model="llama-3-8b",
+        messages=[{"role": "user", "content": "in my place"}],
+        max_tokens=3,
+        extra_headers={"x-ripple-priority": "sheddable"},
+    )
+    assert done.choices[0].finish_reason == "length"
+
+    decisions: list[AdmissionDecision] = []
+
+    async def on_decision(msg) -> None:  # type: ignore[no-untyped-def]
+        event = decode_event(msg.data)
+        if isinstance(event, AdmissionDecision) and event.tenant == "plain":
+            decisions.append(event)
+
+    subscription = await bus.nc.subscribe(event_subject("admission"), cb=on_decision)
+    try:
+        async with openai.AsyncOpenAI(base_url=url, api_key=PLAIN_KEY, max_retries=0) as plain:
+            await plain.chat.completions.create(
+                model="llama-3-8b",
+                messages=[{"role": "user", "content": "lift me"}],
+                max_tokens=3,
+                extra_headers={"x-ripple-priority": "critical"},
+            )
+        await async_wait_until(lambda: decisions or None, timeout_s=10)
+    finally:
+        await subscription.unsubscribe()
+    assert [d.priority for d in decisions] == ["standard"]  # downgraded to its own class

@@ -275,3 +275,20 @@ def test_a_template_without_tools_refuses_them_rather_than_dropping_them(tmp_pat
     with pytest.raises(ValueError, match="does not render tools") as raised:
         tokenizer.render_chat([ChatMessage(role="user", content="hi")], [WEATHER])
     assert getattr(raised.value, "param", None) == "tools"
+
+
+def test_the_class_a_request_gets_is_capped_by_its_tenants_config() -> None:
+    from services.ingress.prepare import InvalidRequest, granted_priority
+    from services.mesh.config import TenantConfig
+
+    standard = TenantConfig(api_keys_sha256=[])
+    assert granted_priority(None, standard) == "standard"  # none asked: the tenant's class
+    assert granted_priority("sheddable", standard) == "sheddable"  # lower: as asked
+    assert granted_priority("critical", standard) == "standard"  # above: downgraded
+    anything = TenantConfig(api_keys_sha256=[], max_priority="critical")
+    assert granted_priority("critical", anything) == "critical"
+    strict = TenantConfig(api_keys_sha256=[], priority="sheddable", above_max_priority="reject")
+    assert granted_priority(None, strict) == "sheddable"
+    with pytest.raises(InvalidRequest) as refused:
+        granted_priority("standard", strict)
+    assert refused.value.status == 403 and refused.value.code == "priority_not_allowed"

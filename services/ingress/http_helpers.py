@@ -49,12 +49,12 @@ def sse_event(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def ripple_headers(request: Request) -> tuple[PriorityClass, int, int | None, WorkflowRef | None]:
+def ripple_headers(request: Request) -> tuple[PriorityClass | None, int, int | None, WorkflowRef | None]:
     """The optional `x-ripple-*` headers; a malformed one is a 400 naming it. The priority level's
-    range is admission's to check (its config)."""
+    range is admission's to check (its config); no priority asked is None (the tenant's class)."""
     headers = request.headers
-    priority = headers.get("x-ripple-priority", "standard")
-    if priority not in PRIORITIES:
+    priority = headers.get("x-ripple-priority")
+    if priority is not None and priority not in PRIORITIES:
         raise InvalidRequest(
             f"x-ripple-priority must be one of {', '.join(PRIORITIES)}", param="x-ripple-priority"
         )

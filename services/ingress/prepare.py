@@ -23,7 +23,7 @@ from schemas.events import (
 )
 from services.engines.tokenizer import ChatTemplateError, tokenizer_for
 from services.mesh.block_hash import chain_block_hashes
-from services.mesh.config import MeshConfig
+from services.mesh.config import MeshConfig, TenantConfig
 
 
 class InvalidRequest(ValueError):
@@ -55,7 +55,7 @@ class ClientRequest:
     messages: list[ChatMessage] | None
     max_tokens: int
     temperature: float = 0.0
-    priority: PriorityClass = "standard"
+    priority: PriorityClass | None = None  # asked for; None: the tenant's class (`granted_priority`)
     priority_level: int = 0  # its range is admission's to check
     deadline_ms: int | None = None
     workflow: WorkflowRef | None = None
@@ -156,6 +156,31 @@ def check_features(
             )
 
 
+# Highest first.
+PRIORITY_RANK: dict[PriorityClass, int] = {"critical": 2, "standard": 1, "sheddable": 0}
+
+
+def granted_priority(asked: PriorityClass | None, tenant: TenantConfig | None) -> PriorityClass:
+    """The class a request runs in: what it asked for, capped at its tenant's `max_priority`
+    (its own class by default): a header cannot lift a tenant above what its config allows.
+    Above it, the cap (`downgrade`) or a 403 (`reject`)."""
+    if tenant is None:
+        return asked or "standard"  # an unknown tenant: admission refuses it
+    if asked is None:
+        return tenant.priority
+    cap = tenant.max_priority or tenant.priority
+    if PRIORITY_RANK[asked] <= PRIORITY_RANK[cap]:
+        return asked
+    if tenant.above_max_priority == "reject":
+        raise InvalidRequest(
+            f"priority {asked!r} is above this tenant's allowed {cap!r}",
+            param="x-ripple-priority",
+            status=403,
+            code="priority_not_allowed",
+        )
+    return cap
+
+
 def prepare(
     request: ClientRequest, config: MeshConfig, now: float, features: frozenset[str] | None = None
 ) -> InferenceRequest:
@@ -170,6 +195,7 @@ def prepare(
             status=404,
             code="model_not_found",
         )
+    priority = granted_priority(request.priority, config.tenants.get(request.tenant))
     if request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     if request.temperature < 0 or request.temperature > 2:
@@ -218,7 +244,7 @@ def prepare(
         block_hashes=chain_block_hashes(tokens, config.block_size, model=request.model),
         max_tokens=request.max_tokens,
         temperature=request.temperature,
-        priority=request.priority,
+        priority=priority,
         priority_level=request.priority_level,
         deadline_at=now + request.deadline_ms / 1000 if request.deadline_ms else None,
         workflow=request.workflow,

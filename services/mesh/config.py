@@ -26,7 +26,13 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 class TenantConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # API keys are stored only as SHA-256 hex digests.
     api_keys_sha256: list[str]
+    # The tenant's class: its requests' when they ask for none.
     priority: PriorityClass = "standard"
+    # The highest class its requests may ask for (`x-ripple-priority`, `SubmitRequest.priority`;
+    # None: its own class): a request asking above it is put in this class (`downgrade`) or
+    # refused with a 403 (`reject`).
+    max_priority: PriorityClass | None = None
+    above_max_priority: Literal["downgrade", "reject"] = "downgrade"
     # Admission's further limits (none by default): prompt tokens/s and max-output tokens/s
     # buckets (a burst defaults to one second's worth) and requests in flight at once; and the
     # tenant's weight in fair queuing between the tenants of a priority class.
