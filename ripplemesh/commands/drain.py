@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ripplemesh.commands import console
+from ripplemesh.commands import console, nats_connection, nats_options
 from services.mesh.config import default_data_dir
 
 
@@ -17,19 +17,7 @@ from services.mesh.config import default_data_dir
 @click.option(
     "--grace", "grace_s", default=30.0, show_default=True, help="Seconds to finish the work in flight."
 )
-@click.option(
-    "--nats-credentials",
-    envvar="RIPPLEMESH_NATS_CREDENTIALS",
-    type=click.Path(path_type=Path, dir_okay=False),
-    default=None,
-    help="The services' NATS user [default: <data-dir>/credentials/services.json if it exists].",
-)
-@click.option(
-    "--nats-url",
-    envvar="NATS_URL",
-    default=None,
-    help="NATS server(s), comma-separated [default: the credentials' servers, else nats://127.0.0.1:4222].",
-)
+@nats_options()
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 def drain(
     worker_id: str, grace_s: float, nats_credentials: Path | None, nats_url: str | None, data_dir: Path | None
@@ -43,17 +31,9 @@ def drain(
     from schemas.events import WorkerControl, WorkerState, encode_event, new_event_id
     from schemas.subjects import control_subject
     from services.mesh.bus import nats_servers
-    from services.mesh.nats_auth import CredentialsError, load_credentials
 
-    if nats_credentials is None:
-        candidate = (data_dir or default_data_dir()) / "credentials" / "services.json"
-        nats_credentials = candidate if candidate.exists() else None
-    try:
-        credentials = load_credentials(nats_credentials) if nats_credentials else None
-    except CredentialsError as exc:
-        raise click.ClickException(str(exc)) from exc
-    url = nats_url or (",".join(credentials.servers) if credentials and credentials.servers else None)
-    url = url or "nats://127.0.0.1:4222"
+    services_file = (data_dir or default_data_dir()) / "credentials" / "services.json"
+    url, credentials = nats_connection(nats_credentials, nats_url, services_file)
     order = WorkerControl(
         event_id=new_event_id(), occurred_at=time.time(), worker_id=worker_id, action="drain", grace_s=grace_s
     )

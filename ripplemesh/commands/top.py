@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from ripplemesh.commands import nats_connection, nats_options
 from services.mesh.config import default_data_dir
 
 
@@ -44,19 +45,7 @@ def ledger_url_of(data_dir: Path) -> str | None:
     help="The ledger's HTTP address, for the cost per successful task [default: the ledger of the "
     "`ripplemesh up` in --data-dir, from its supervisor.json].",
 )
-@click.option(
-    "--nats-credentials",
-    envvar="RIPPLEMESH_NATS_CREDENTIALS",
-    type=click.Path(path_type=Path, dir_okay=False),
-    default=None,
-    help="The services' NATS user [default: <data-dir>/credentials/services.json if it exists].",
-)
-@click.option(
-    "--nats-url",
-    envvar="NATS_URL",
-    default=None,
-    help="NATS server(s), comma-separated [default: the credentials' servers, else nats://127.0.0.1:4222].",
-)
+@nats_options()
 @click.option(
     "--timeout",
     "timeout_s",
@@ -85,18 +74,11 @@ def top(
     from rich.live import Live
 
     from ripplemesh.top import MeshWatch, TopError, render
-    from services.mesh.nats_auth import CredentialsError, load_credentials
 
     directory = data_dir or default_data_dir()
-    if nats_credentials is None:
-        candidate = directory / "credentials" / "services.json"
-        nats_credentials = candidate if candidate.exists() else None
-    try:
-        credentials = load_credentials(nats_credentials) if nats_credentials else None
-    except CredentialsError as exc:
-        raise click.ClickException(str(exc)) from exc
-    url = nats_url or (",".join(credentials.servers) if credentials and credentials.servers else None)
-    url = url or "nats://127.0.0.1:4222"
+    url, credentials = nats_connection(
+        nats_credentials, nats_url, directory / "credentials" / "services.json"
+    )
     ledger_note = None
     if ledger_url is None:
         ledger_url = ledger_url_of(directory)
