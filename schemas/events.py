@@ -236,6 +236,9 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     # What the output must be (a tool call, JSON); only engines with the matching feature.
     constraint: OutputConstraint | None = None
+    # The LoRA adapter to serve it with, beside `model` (None: the model alone); it seeds the
+    # block hashes with the model, so prefixes under two adapters share no KV.
+    adapter: str | None = None
 
 
 class KvHandle(Struct, frozen=True, kw_only=True):
@@ -729,6 +732,8 @@ class WorkerState(Event, frozen=True, kw_only=True, tag="worker.state.v1"):
     # LoRA adapters loaded beside the model. (A worker announces itself once its model's
     # weights are loaded, so a heartbeat's model is warm.)
     adapters: list[str] = []
+    # Seconds (of its modelled time) to load an adapter it lacks: the router weighs it.
+    adapter_load_s: NonNegativeFloat = 0.0
     # Wall seconds per second of GPU work as its engine models it: 1 on real hardware, less for
     # a sim engine run faster (`--time-scale`). Its GPU seconds (and so their price) stay the
     # modelled ones.

@@ -31,7 +31,10 @@ class EngineInfo:
     gpu_type: str
     block_size: int
     kv_blocks_total: int
+    # The LoRA adapters it can serve (loaded on first use; `EngineSnapshot.adapters` says which
+    # are loaded now), and the seconds of its modelled time loading one takes.
     adapters: tuple[str, ...] = ()
+    adapter_load_s: float = 0.0
     # Wall seconds per second of the GPU work it models: 1 on real hardware; a sim engine run
     # faster (`RealClock(time_scale)`) less, so the router can predict in wall-clock time.
     time_scale: float = 1.0
@@ -44,10 +47,17 @@ def check_request(
     request: InferenceRequest, info: EngineInfo, max_context_tokens: int, vocab_size: int | None = None
 ) -> None:
     """What every engine refuses before taking a request (EngineError, code "invalid"): another
-    model, another block size, an empty prompt, prompt + max_tokens past the context, and (when
-    the engine knows its vocabulary) token ids outside it. Engines add their own checks."""
+    model, an adapter it does not serve, another block size, an empty prompt, prompt +
+    max_tokens past the context, and (when the engine knows its vocabulary) token ids outside
+    it. Engines add their own checks."""
     if request.model != info.model:
         raise EngineError(f"model {request.model!r} is not loaded here ({info.model!r})")
+    if request.adapter is not None and request.adapter not in info.adapters:
+        served = ", ".join(info.adapters) or "none"
+        raise EngineError(
+            f"adapter {request.adapter!r} is not served by this {info.engine} engine of "
+            f"{info.model!r} (its adapters: {served})"
+        )
     if request.block_size != info.block_size:
         raise EngineError(
             f"block size mismatch: request hashed with {request.block_size}, engine uses {info.block_size}"
@@ -98,6 +108,8 @@ class EngineSnapshot:
     kv_blocks_free: int | None = None
     queued_tokens: int | None = None
     context_tokens: int | None = None
+    # The LoRA adapters loaded now (of `EngineInfo.adapters`).
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ def make_engine(settings: dict[str, Any], config: MeshConfig) -> Engine:
             block_size=config.block_size,
             clock=RealClock(float(settings.get("time_scale", 1.0))),
             max_context_tokens=model.max_context_tokens,
+            adapters={adapter.name: adapter.load_s for adapter in model.adapters},
             **{
                 engine_arg: settings[setting]
                 for setting, engine_arg in _SIM_TUNING.items()

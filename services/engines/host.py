@@ -58,7 +58,7 @@ from services.mesh import kv_dump
 from services.mesh.completion import decode_completed, sent_at
 from services.mesh.resumption import first_seq, output_before, prompt_proper
 from services.mesh.runtime import Runtime
-from services.mesh.tracing import REQUEST_ID, LateSpan, link_to, tracer
+from services.mesh.tracing import REQUEST_ID, LateSpan, link_to
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,8 @@ class EngineHost:
             kv_blocks_free=snap.kv_blocks_free,
             queued_tokens=snap.queued_tokens,
             context_tokens=snap.context_tokens,
-            adapters=list(info.adapters),
+            adapters=list(snap.adapters),
+            adapter_load_s=info.adapter_load_s,
             features=sorted(info.features),
             time_scale=info.time_scale,
             scaling_decision=self.scaling_decision,
@@ -459,8 +460,9 @@ class EngineHost:
         seq = first_seq(request) + 1
         generated = 1
         finish_reason: Literal["stop", "length"] = "length"
+        # Built when the block ends (a LateSpan recorded on exit), without the SDK's per-span work.
         with (
-            tracer().start_as_current_span(
+            LateSpan(
                 f"decode {request.model}",
                 kind=SpanKind.INTERNAL,
                 attributes={
@@ -473,7 +475,7 @@ class EngineHost:
                     **self._plan_attributes,
                 },
                 links=self._plan_links,
-            ) as span,
+            ).activate(record=True) as span,
             self.ripple.in_batch(
                 request.request_id, span.get_span_context(), len(request.prompt_tokens)
             ) as entry,

@@ -47,7 +47,7 @@ from services.ingress.part import ServicePart
 from services.ingress.prepare import ClientRequest, InvalidRequest, prepare
 from services.ingress.relay import Choice, merged
 from services.mesh.token_stream import StreamTimeout, TokenStream
-from services.mesh.tracing import REQUEST_ID, extract_context, tracer
+from services.mesh.tracing import REQUEST_ID, LateSpan, extract_context
 
 # The service's logger: its records are named as before the module was split out.
 log = logging.getLogger("services.ingress.service")
@@ -83,7 +83,19 @@ class HttpApi(ServicePart):
                     "max_model_len": m.max_context_tokens,
                     "live_workers": len(self.fleet.live(now, m.name)),
                     "features": sorted(features) if features is not None else [],
+                    "adapters": [a.name for a in m.adapters],
                 }
+            )
+            data.extend(
+                {
+                    "id": f"{m.name}:{a.name}",
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ripplemesh",
+                    "parent": m.name,
+                    "max_model_len": m.max_context_tokens,
+                }
+                for a in m.adapters
             )
         return JSONResponse({"object": "list", "data": data})
 
@@ -137,12 +149,13 @@ class HttpApi(ServicePart):
         route = request.url.path
         client_request_id = client_request_id_of(request)
         # A client's W3C trace context is continued (a malformed one is ignored: a fresh trace).
-        with tracer().start_as_current_span(
+        # Built when the block ends (a LateSpan recorded on exit), without the SDK's per-span work.
+        with LateSpan(
             f"POST {route}",
             context=extract_context(request.headers),
             kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "http.route": route},
-        ) as span:
+        ).activate(record=True) as span:
             if client_request_id is not None:
                 span.set_attribute("ripple.client_request_id", client_request_id)
             response = await self._serve_traced(request, api, span)
@@ -169,7 +182,7 @@ class HttpApi(ServicePart):
                 raw, api, request, tenant, request_id
             )
             now = time.time()
-            features = self.fleet.features(client_request.model, now)
+            features = self.fleet.features(self._rt.config.base_model_name(client_request.model), now)
             prepared = prepare(client_request, self._rt.config, now, features)
         except InvalidRequest as exc:
             return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
@@ -267,7 +280,7 @@ class HttpApi(ServicePart):
         shape = ResponseShape(
             api,
             client_request.request_id,
-            prepared.model,
+            client_request.model,  # echoed as asked (an adapter named with its model, or alone)
             index=index,
             tool_calls=client_request.parses_tool_calls,
             top_logprobs=prepared.logprobs,

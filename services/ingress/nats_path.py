@@ -128,7 +128,7 @@ class NatsPath(ServicePart):
                 ),
                 self._rt.config,
                 submission.occurred_at or time.time(),
-                self.fleet.features(submission.model, time.time()),
+                self.fleet.features(self._rt.config.base_model_name(submission.model), time.time()),
             )
         except InvalidRequest as exc:
             NATS_SUBMISSIONS.labels("invalid").inc()

@@ -23,7 +23,7 @@ from schemas.events import (
 )
 from services.engines.tokenizer import ChatTemplateError, tokenizer_for
 from services.mesh.block_hash import chain_block_hashes
-from services.mesh.config import MeshConfig, TenantConfig
+from services.mesh.config import AdapterConfig, MeshConfig, ModelConfig, TenantConfig
 
 
 class InvalidRequest(ValueError):
@@ -181,20 +181,31 @@ def granted_priority(asked: PriorityClass | None, tenant: TenantConfig | None) -
     return cap
 
 
+def served_model(name: str, config: MeshConfig) -> tuple[ModelConfig, AdapterConfig | None]:
+    """The model (and adapter) a request's `model` names, or a 404 naming what is unknown."""
+    resolved = config.model_and_adapter(name)
+    if resolved is not None:
+        return resolved
+    base, colon, adapter_name = name.rpartition(":")
+    known_base = config.model(base) if colon else None
+    if known_base is not None:
+        served = ", ".join(a.name for a in known_base.adapters) or "none"
+        message = f"adapter {adapter_name!r} of model {base!r} is not served here; its adapters: {served}"
+    else:
+        known = ", ".join(
+            [m.name for m in config.models]
+            + [f"{m.name}:{a.name}" for m in config.models for a in m.adapters]
+        )
+        message = f"model {name!r} is not served here; available: {known}"
+    raise InvalidRequest(message, param="model", status=404, code="model_not_found")
+
+
 def prepare(
     request: ClientRequest, config: MeshConfig, now: float, features: frozenset[str] | None = None
 ) -> InferenceRequest:
     """`features`: what the model's live workers all honour (None: not known, not checked;
     the engine then refuses what it cannot do)."""
-    model = config.model(request.model)
-    if model is None:
-        known = ", ".join(m.name for m in config.models)
-        raise InvalidRequest(
-            f"model {request.model!r} is not served here; available: {known}",
-            param="model",
-            status=404,
-            code="model_not_found",
-        )
+    model, adapter = served_model(request.model, config)
     priority = granted_priority(request.priority, config.tenants.get(request.tenant))
     if request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
@@ -208,7 +219,7 @@ def prepare(
         raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
     constraint = output_constraint(request)
     if features is not None:
-        check_features(request.logprobs, constraint, features, request.model)
+        check_features(request.logprobs, constraint, features, model.name)
     tokenizer = tokenizer_for(model.path)
     if request.messages is not None:
         check_messages(request.messages)
@@ -237,11 +248,14 @@ def prepare(
     return InferenceRequest(
         request_id=request.request_id,
         tenant=request.tenant,
-        model=request.model,
+        model=model.name,
+        adapter=adapter.name if adapter is not None else None,
         api=request.api,
         prompt_tokens=tokens,
         block_size=config.block_size,
-        block_hashes=chain_block_hashes(tokens, config.block_size, model=request.model),
+        block_hashes=chain_block_hashes(
+            tokens, config.block_size, model=model.name, adapter=adapter.name if adapter else None
+        ),
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         priority=priority,

@@ -369,14 +369,18 @@ class Bus:
             },
         )
         try:
-            with span.activate():
-                headers = inject_headers({"Nats-Msg-Id": event.event_id})
-                payload = encode_event(event)
-                if self.direct and subject.startswith(DIRECT_SOURCES):
-                    # The consumer may start on this copy; the stored one below stays the record.
-                    with contextlib.suppress(Exception):
-                        await self.nc.publish(direct_subject(subject), payload, headers=headers)
-                await publish_acked(self.js, subject, payload, headers, timeout_s=timeout_s)
+            # The span's context goes in the headers; nothing here runs under it, so it is not
+            # made current (`activate`), which costs as much again.
+            headers = span.inject({"Nats-Msg-Id": event.event_id})
+            payload = encode_event(event)
+            if self.direct and subject.startswith(DIRECT_SOURCES):
+                # The consumer may start on this copy; the stored one below stays the record.
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(direct_subject(subject), payload, headers=headers)
+            await publish_acked(self.js, subject, payload, headers, timeout_s=timeout_s)
+        except BaseException as exc:
+            span.failed(exc)
+            raise
         finally:
             span.record()
 

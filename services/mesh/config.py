@@ -100,6 +100,21 @@ class AdmissionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return AdmissionLimits(**msgspec.structs.asdict(self))
 
 
+# An adapter's name: what a request's `model` names it by, alone or as ``<model>:<adapter>``.
+AdapterName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")]
+
+
+class AdapterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A LoRA adapter served beside its model: a request names it as ``<model>:<name>`` or by
+    its name alone (so a name is unique across the mesh and no model's)."""
+
+    name: AdapterName
+    # A local PEFT adapter directory (for the engines that load real weights).
+    path: str | None = None
+    # The sim engine's time to load it on a worker that lacks it (seconds of modelled time).
+    load_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+
+
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     # The sim engine's model shape (services/engines/sim/profiles.py).
@@ -109,6 +124,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # tokenizes with its tokenizer. Without one, the project's word tokenizer serves (sim, and
     # the hf engine's tiny random Llama).
     path: str | None = None
+    adapters: list[AdapterConfig] = []
+
+    def adapter(self, name: str) -> AdapterConfig | None:
+        return next((a for a in self.adapters if a.name == name), None)
 
 
 class AutoscalerPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -186,6 +205,17 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # past it, replaying them all as a prompt elsewhere costs more than the client's retry.
     max_migrated_output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
+    def __post_init__(self) -> None:
+        # A request's `model` names a model, ``<model>:<adapter>`` or an adapter alone: each
+        # name must mean one thing.
+        models = [m.name for m in self.models]
+        adapters = [a.name for m in self.models for a in m.adapters]
+        for kind, names in (("models", models), ("adapters", adapters)):
+            if len(names) != len(set(names)):
+                raise ValueError(f"{kind} named twice: {sorted({n for n in names if names.count(n) > 1})}")
+        if clashes := sorted(set(models) & set(adapters)):
+            raise ValueError(f"adapters named as models: {clashes}")
+
     def tenant_for_api_key(self, api_key: str) -> str | None:
         digest = hashlib.sha256(api_key.encode()).hexdigest()
         for name, tenant in self.tenants.items():
@@ -195,6 +225,25 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def model_and_adapter(self, name: str) -> tuple[ModelConfig, AdapterConfig | None] | None:
+        """What a request's `model` names: a model, ``<model>:<adapter>``, or an adapter by its
+        own name; None when it names none of them."""
+        model = self.model(name)
+        if model is not None:
+            return model, None
+        base, colon, adapter_name = name.rpartition(":")
+        candidates = [m for m in self.models if m.name == base] if colon else self.models
+        for candidate in candidates:
+            adapter = candidate.adapter(adapter_name)
+            if adapter is not None:
+                return candidate, adapter
+        return None
+
+    def base_model_name(self, name: str) -> str:
+        """The model serving what a request's `model` names (itself when it names nothing)."""
+        resolved = self.model_and_adapter(name)
+        return resolved[0].name if resolved is not None else name
 
 
 class ConfigError(ValueError):

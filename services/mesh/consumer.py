@@ -469,20 +469,24 @@ class Consumer(Generic[E]):
         """The consumer span of one handling (OTel messaging conventions), child of the
         publisher's context carried in the headers. Built by the SDK once the handler is done
         (LateSpan): the handler's own message does not wait on it."""
+        attributes: dict[str, Any] = {
+            "messaging.system": "nats",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": subject,
+            "messaging.consumer.group.name": self.spec.durable,
+            "messaging.message.id": event_id,
+            "messaging.message.delivery_count": delivery_count,
+        }
+        if extra:
+            attributes.update(extra)
+        request_id = _request_id_of(event)
+        if request_id is not None:
+            attributes[REQUEST_ID] = request_id
         return LateSpan(
             f"process {subject_family(subject)}",
             context=extract_context(headers),
             kind=SpanKind.CONSUMER,
-            attributes={
-                "messaging.system": "nats",
-                "messaging.operation.type": "process",
-                "messaging.destination.name": subject,
-                "messaging.consumer.group.name": self.spec.durable,
-                "messaging.message.id": event_id,
-                "messaging.message.delivery_count": delivery_count,
-                **(extra or {}),
-                **_request_id_attribute(event),
-            },
+            attributes=attributes,
         )
 
     async def _handle_event(
@@ -675,9 +679,9 @@ class _Presence:
             self._sub = None
 
 
-def _request_id_attribute(event: object) -> dict[str, str]:
+def _request_id_of(event: object) -> str | None:
     request_id = getattr(event, "request_id", None)
     if request_id is None:
         inner = getattr(event, "request", None)
         request_id = getattr(inner, "request_id", None)
-    return {REQUEST_ID: request_id} if isinstance(request_id, str) else {}
+    return request_id if isinstance(request_id, str) else None

@@ -157,7 +157,9 @@ def resumed_request(request: InferenceRequest, prompt: Sequence[int], got: Deliv
     return msgspec.structs.replace(
         request,
         prompt_tokens=tokens,
-        block_hashes=chain_block_hashes(tokens, request.block_size, model=request.model),
+        block_hashes=chain_block_hashes(
+            tokens, request.block_size, model=request.model, adapter=request.adapter
+        ),
         max_tokens=request.max_tokens + output_before(request) - len(got.token_ids),
         resumption=Resumption(migration=migration, next_seq=got.next_seq, output_tokens=len(got.token_ids)),
     )

@@ -105,6 +105,7 @@ def view_of(state: WorkerState, shapes: dict[str, str] | None = None) -> WorkerV
         queued_tokens=state.queued_tokens,
         context_tokens=state.context_tokens,
         adapters=tuple(state.adapters),
+        adapter_load_s=state.adapter_load_s * scale,
         speed=time_scaled(speed, scale),
     )
 
@@ -130,6 +131,7 @@ def route_request(
         workflow_step=workflow.step if workflow is not None else None,
         workflow_steps=workflow.steps if workflow is not None else None,
         workflow_spent_usd=workflow_spent_usd,
+        adapter=request.adapter,
         admission_wait_s=admission_wait_s,
     )
 

@@ -216,7 +216,9 @@ class HfEngine:
     def _check(self, request: InferenceRequest) -> None:
         check_request(request, self.info, self.max_context_tokens, self.lm.vocab_size)
         prompt = request.prompt_tokens
-        expected = chain_block_hashes(prompt, request.block_size, model=request.model)
+        expected = chain_block_hashes(
+            prompt, request.block_size, model=request.model, adapter=request.adapter
+        )
         if request.block_hashes != expected:
             # Reusing KV under a wrong hash would silently corrupt output: refuse.
             raise EngineError("the request's block hashes do not match its prompt tokens")

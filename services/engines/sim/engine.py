@@ -34,7 +34,7 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Literal
@@ -171,7 +171,9 @@ class SimEngine:
     and `kv_dtype` set it; `mfu`, `mbu` and `step_overhead_s` default to perf.py's calibrated
     factors. `kv_capacity_tokens` defaults to what fits in `memory_fraction` of the GPUs'
     memory beside the weights. `max_batch_tokens` is the token budget of a step (chunked
-    prefill), `max_running` the cap on sequences in the running batch.
+    prefill), `max_running` the cap on sequences in the running batch. `adapters`: the LoRA
+    adapters it serves, each with its load time (clock seconds), paid by the first request for
+    it (those arriving meanwhile wait with it); it then stays loaded.
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class SimEngine:
         mbu: float = MBU,
         step_overhead_s: float = STEP_OVERHEAD_S,
         memory_fraction: float = 0.9,
+        adapters: Mapping[str, float] | None = None,
     ):
         model_profile = model_shape(shape)
         if dtype is not None or kv_dtype is not None:
@@ -211,6 +214,8 @@ class SimEngine:
             gpu_type,
             block_size,
             self.blocks.total_blocks,
+            adapters=tuple(adapters or {}),
+            adapter_load_s=max((adapters or {}).values(), default=0.0),
             time_scale=self.clock.time_scale if isinstance(self.clock, RealClock) else 1.0,
             # Synthetic, but the shape real engines give: see _token and synthetic.py.
             features=frozenset({"logprobs", "tool_call", "json"}),
@@ -229,6 +234,9 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self._tokens_per_s = 0.0
+        self._adapter_load_s = dict(adapters or {})
+        self._loaded_adapters: dict[str, None] = {}  # in load order
+        self._adapter_loads: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -241,6 +249,8 @@ class SimEngine:
             self._loop.cancel()
             await asyncio.gather(self._loop, return_exceptions=True)
             self._loop = None
+        for loading in self._adapter_loads.values():
+            loading.cancel()
         stopped = EngineError("engine stopped", code="capacity")
         for seq in list(self._resident.values()):
             for future in (seq.first_token, seq.admitted):
@@ -276,6 +286,8 @@ class SimEngine:
         )
         digest = hashlib.blake2b(digest_size=8)
         digest.update(request.model.encode())
+        if request.adapter is not None:
+            digest.update(request.adapter.encode())
         digest.update(array("q", prompt).tobytes())
         if request.temperature > 0:
             digest.update(request.request_id.encode())
@@ -291,8 +303,23 @@ class SimEngine:
         self._resident[request.request_id] = seq
         return seq
 
+    async def _load_adapter(self, adapter: str | None) -> None:
+        """The request's adapter, loaded before its work (the load is not cancelled with a
+        request waiting for it: others may wait too)."""
+        if adapter is None or adapter in self._loaded_adapters:
+            return
+        loading = self._adapter_loads.get(adapter)
+        if loading is None:
+            loading = self._adapter_loads[adapter] = asyncio.ensure_future(
+                self.clock.sleep(self._adapter_load_s[adapter])
+            )
+        await asyncio.shield(loading)
+        self._loaded_adapters[adapter] = None
+        self._adapter_loads.pop(adapter, None)
+
     async def prefill(self, request: InferenceRequest) -> PrefillResult:
         self._check(request)
+        await self._load_adapter(request.adapter)
         seq = self._new_sequence(request)
         seq.first_token = asyncio.get_running_loop().create_future()
         self._waiting.append(seq)
@@ -327,6 +354,7 @@ class SimEngine:
         prompt = len(request.prompt_tokens)
         if payload is not None:
             raise EngineError("the sim engine cannot import KV bytes from another kind of engine")
+        await self._load_adapter(request.adapter)
         if kv.num_tokens != prompt:
             raise EngineError(f"KV covers {kv.num_tokens} tokens, the prompt has {prompt}")
         if kv.block_hashes != request.block_hashes:
@@ -420,6 +448,7 @@ class SimEngine:
             kv_blocks_free=self.blocks.free_blocks,
             queued_tokens=self._queued_tokens(),
             context_tokens=sum(seq.num_tokens for seq in self._running),
+            adapters=tuple(self._loaded_adapters),
         )
 
     def _queued_tokens(self) -> int:
