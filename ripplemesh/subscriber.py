@@ -9,6 +9,10 @@
     async def prefilled(event: PrefillCompleted, context: Context) -> None:
         ...
 
+    @alerts.on_subject("rmesh.events.scaling_decision")   # or by subject (NATS wildcards)
+    async def scaled(event: LifecycleEvent, context: Context) -> None:
+        ...
+
 and `ripplemesh run-subscriber mymodule:alerts`. A subscriber reads the lifecycle events
 (``rmesh.events.>``: every routing, admission, prefill, decode, failure and scaling decision)
 through the same consume loop the mesh's own services use (services/mesh/consumer.py):
@@ -37,6 +41,7 @@ import contextlib
 import datetime
 import signal
 import time
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +71,20 @@ HANDLER_SECONDS = Histogram(
 )
 
 StartFrom = Literal["new", "all"] | datetime.datetime
+EVENTS_PREFIX = f"{PREFIX}.events."
+# The event types a subscriber can ask for: those the lifecycle stream carries.
+LIFECYCLE_TYPES: frozenset[type] = frozenset(typing.get_args(LifecycleEvent))
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a final `>` one or more."""
+    wanted, tokens = pattern.split("."), subject.split(".")
+    for index, token in enumerate(wanted):
+        if token == ">":
+            return index == len(wanted) - 1 and len(tokens) > index
+        if index >= len(tokens) or (token != "*" and token != tokens[index]):
+            return False
+    return len(tokens) == len(wanted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +136,7 @@ class Subscriber:
     max_deliver: int = 5
     retry_backoff_s: tuple[float, ...] = (0.1, 0.5, 2.0, 5.0)
     handlers: dict[type, list[Handler]] = field(default_factory=dict)
+    subject_handlers: list[tuple[str, Handler]] = field(default_factory=list)
     consumer: Consumer[Any] | None = None
     bus: Bus | None = None
     _children: dict[str, tuple[Any, Any, Any, Any, Any]] = field(default_factory=dict, repr=False)
@@ -128,6 +148,10 @@ class Subscriber:
         """Register a handler for these event types (schemas.events classes)."""
         if not event_types:
             raise TypeError("on() needs at least one event type")
+        unknown = [getattr(t, "__name__", repr(t)) for t in event_types if t not in LIFECYCLE_TYPES]
+        if unknown:
+            offered = ", ".join(sorted(t.__name__ for t in LIFECYCLE_TYPES))
+            raise TypeError(f"{', '.join(unknown)}: not on the event stream; a subscriber can take {offered}")
 
         def register(handler: Handler) -> Handler:
             for event_type in event_types:
@@ -135,6 +159,30 @@ class Subscriber:
             return handler
 
         return register
+
+    def on_subject(self, pattern: str) -> Callable[[Handler], Handler]:
+        """Register a handler for every event published on subjects matching `pattern` (NATS
+        wildcards, under ``rmesh.events.``; schemas/asyncapi.json lists each event's subject)."""
+        if not pattern.startswith(EVENTS_PREFIX) or not pattern[len(EVENTS_PREFIX) :]:
+            raise ValueError(f"{pattern!r}: a subscriber reads subjects under {EVENTS_PREFIX}")
+        tokens = pattern.split(".")
+        if any(t == "" or (("*" in t or ">" in t) and t not in ("*", ">")) for t in tokens) or (
+            ">" in tokens[:-1]
+        ):
+            raise ValueError(f"{pattern!r}: not a NATS subject pattern")
+
+        def register(handler: Handler) -> Handler:
+            self.subject_handlers.append((pattern, handler))
+            return handler
+
+        return register
+
+    def _handlers_for(self, event: Any, subject: str) -> list[Handler]:
+        by_type = self.handlers.get(type(event), [])
+        if not self.subject_handlers:
+            return by_type
+        by_subject = [h for pattern, h in self.subject_handlers if subject_matches(pattern, subject)]
+        return by_type + [h for h in by_subject if h not in by_type]
 
     def spec(self) -> ConsumerSpec:
         durable = self.name if self.durable else f"{self.name}-{int(time.time() * 1000)}"
@@ -156,8 +204,10 @@ class Subscriber:
         )
 
     async def start(self, bus: Bus) -> None:
-        if not self.handlers:
-            raise ValueError(f"subscriber {self.name!r} has no handler (use @subscriber.on(EventType))")
+        if not self.handlers and not self.subject_handlers:
+            raise ValueError(
+                f"subscriber {self.name!r} has no handler (use @subscriber.on(EventType) or .on_subject)"
+            )
         self.bus = bus
         consumer: Consumer[Any] = Consumer(
             bus, self.spec(), LifecycleEvent, self._dispatch, max_inflight=self.max_inflight
@@ -178,7 +228,7 @@ class Subscriber:
 
     async def _dispatch(self, event: Any, delivery: Delivery) -> None:
         assert self.bus is not None
-        handlers = self.handlers.get(type(event))
+        handlers = self._handlers_for(event, delivery.subject)
         if not handlers:
             self._metrics("-")[2].inc()
             return

@@ -66,6 +66,7 @@ token_burst = 100000.0
 
 [tenants.plain]
 api_keys_sha256 = ["{_digest(PLAIN_KEY)}"]
+subscribers_read_tokens = true
 
 [tenants.lowly]
 api_keys_sha256 = ["{_digest(LOWLY_KEY)}"]

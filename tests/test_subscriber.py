@@ -19,7 +19,7 @@ import pytest
 
 from examples.cache_alerts import CacheWatch
 from ripplemesh import Context, PermanentError, Subscriber
-from schemas.events import DeadLetter, PrefillCompleted, RequestFailed, new_event_id
+from schemas.events import DeadLetter, InferenceRequest, PrefillCompleted, RequestFailed, new_event_id
 from schemas.subjects import DLQ, LIFECYCLE, TENANT_THROTTLES, dlq_subject, event_subject
 from services.mesh.bus import Bus
 from services.mesh.embedded_nats import EmbeddedNats
@@ -111,6 +111,39 @@ async def test_a_handler_gets_the_typed_events_it_asked_for_and_no_others(bus: B
         assert REGISTRY.get_sample_value("ripplemesh_subscriber_events_total", labels) == len(events)
     finally:
         await sub.stop()
+
+
+async def test_a_handler_by_subject_gets_every_event_on_its_subjects_and_no_others(bus: Bus) -> None:
+    by_subject: list[str] = []
+    by_type: list[str] = []
+    sub = Subscriber(name())
+
+    @sub.on_subject(event_subject("prefill_completed"))
+    async def prefills(event: PrefillCompleted, context: Context) -> None:
+        by_subject.append(context.event_id)
+
+    @sub.on(RequestFailed)
+    async def failures(event: RequestFailed, context: Context) -> None:
+        by_type.append(context.event_id)
+
+    await sub.start(bus)
+    try:
+        wanted, failure = prefill(10), failed()
+        await bus.publish(event_subject("failed"), failure)
+        await bus.publish(event_subject("prefill_completed"), wanted)
+        await until(lambda: by_subject == [wanted.event_id] and by_type == [failure.event_id])
+    finally:
+        await sub.stop()
+
+
+def test_a_subscriber_refuses_what_the_event_stream_does_not_carry() -> None:
+    sub = Subscriber(name())
+    with pytest.raises(TypeError, match="InferenceRequest: not on the event stream"):
+        sub.on(InferenceRequest)
+    with pytest.raises(ValueError, match=r"under rmesh\.events\."):
+        sub.on_subject("rmesh.tokens.>")
+    with pytest.raises(ValueError, match="not a NATS subject pattern"):
+        sub.on_subject("rmesh.events.prefill_*")  # a wildcard is a whole token
 
 
 async def test_a_bad_message_or_a_failing_handler_is_dead_lettered_with_its_reason_and_the_rest_go_on(
@@ -337,7 +370,7 @@ async def test_a_budget_guard_closes_the_loop_admission_refuses_the_tenant_until
         await bus.close()
 
 
-async def test_a_subscriber_has_a_user_of_its_own_that_reads_events_and_no_tenant_s_tokens(
+async def test_a_subscriber_has_a_user_of_its_own_that_reads_events_and_no_tenant_s_tokens_unless_granted(
     bus: Bus, nats_server: EmbeddedNats
 ) -> None:
     import nats
@@ -386,9 +419,20 @@ async def test_a_subscriber_has_a_user_of_its_own_that_reads_events_and_no_tenan
         )
         await bus.nc.publish(tokens_subject("acme", "r1"), msgspec.json.encode(chunk))
         await asyncio.sleep(0.5)
-        await spy.close()
         assert seen == []
         assert any("permissions violation" in str(e).lower() for e in errors), errors
+        # A tenant whose config grants it (`subscribers_read_tokens`, tenant "plain" in the
+        # test config): its token streams, and still no other tenant's.
+        errors.clear()
+        await spy.subscribe("rmesh.tokens.plain.>", cb=on_token)
+        await spy.subscribe("rmesh.tokens.acme.>", cb=on_token)
+        await spy.flush()
+        for tenant in ("acme", "plain"):
+            await bus.nc.publish(tokens_subject(tenant, f"r-{tenant}"), msgspec.json.encode(chunk))
+        await until(lambda: len(seen) == 1)
+        await asyncio.sleep(0.3)
+        await spy.close()
+        assert len(seen) == 1 and any("rmesh.tokens.acme" in str(e) for e in errors), errors
     finally:
         await sub.stop()
         await own.close()

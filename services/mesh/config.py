@@ -49,6 +49,9 @@ class TenantConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The tenant's NATS password as a bcrypt hash (the tenant keeps the password). Without one,
     # `ripplemesh up` generates a password and writes it to <data_dir>/credentials/.
     nats_password_bcrypt: str | None = None
+    # Whether the subscribers' NATS user may read this tenant's token streams (what the model
+    # wrote for it): off unless the tenant's operator grants it.
+    subscribers_read_tokens: bool = False
 
 
 _ADMISSION = AdmissionLimits()

@@ -141,10 +141,11 @@ def tenant_permissions(tenant: str) -> dict[str, list[str]]:
     }
 
 
-def subscriber_permissions() -> dict[str, list[str]]:
+def subscriber_permissions(read_tokens_of: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """The subscribers' user: consumers on LIFECYCLE (create, fetch, ack) but not the mesh's own
     (the ledger's), dead letters, the TENANT_THROTTLES control bucket, replies to its own
-    inbox; no tenant subject at all. (NATS matches whole subject tokens, so "consumers named
+    inbox; no tenant subject, except the token streams of the tenants in `read_tokens_of`
+    (their config's `subscribers_read_tokens`). (NATS matches whole subject tokens, so "consumers named
     sub-*" cannot be said; the ledger's durable is denied by name instead.)"""
     api = "$JS.API"
     ledger = LEDGER_CONSUMER.durable
@@ -165,6 +166,7 @@ def subscriber_permissions() -> dict[str, list[str]]:
         "subscribe": [
             f"{SUBSCRIBER_INBOX}.>",
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.LIFECYCLE.*",
+            *(tenant_tokens_filter(tenant) for tenant in read_tokens_of),
         ],
         "deny_publish": [
             f"{api}.CONSUMER.CREATE.LIFECYCLE.{ledger}",
@@ -192,16 +194,23 @@ def is_bcrypt_hash(value: str) -> bool:
     return bool(_BCRYPT.match(value))
 
 
-def generate_auth(tenants: dict[str, str | None]) -> NatsAuth:
+def generate_auth(
+    tenants: dict[str, str | None], subscribers_read_tokens_of: tuple[str, ...] = ()
+) -> NatsAuth:
     """Users for the services and for each tenant (name -> its configured bcrypt hash or None).
 
-    A tenant without a configured hash gets a fresh random password.
+    A tenant without a configured hash gets a fresh random password. The subscribers' user may
+    read the token streams of the tenants in `subscribers_read_tokens_of`, and no other's.
     """
     service = NatsCredentials(user=SERVICE_USER, password=_secret())
     subscribers = NatsCredentials(user=SUBSCRIBER_USER, password=_secret(), inbox_prefix=SUBSCRIBER_INBOX)
     users = [
         NatsUser(SERVICE_USER, hash_password(service.password)),
-        NatsUser(SUBSCRIBER_USER, hash_password(subscribers.password), subscriber_permissions()),
+        NatsUser(
+            SUBSCRIBER_USER,
+            hash_password(subscribers.password),
+            subscriber_permissions(tuple(sorted(subscribers_read_tokens_of))),
+        ),
     ]
     clear: dict[str, NatsCredentials] = {}
     for tenant, configured_hash in sorted(tenants.items()):
@@ -246,4 +255,7 @@ def _secret() -> str:
 
 def auth_for_config(config: MeshConfig) -> NatsAuth:
     """Users for the services and every tenant of a mesh configuration."""
-    return generate_auth({name: t.nats_password_bcrypt for name, t in config.tenants.items()})
+    return generate_auth(
+        {name: t.nats_password_bcrypt for name, t in config.tenants.items()},
+        tuple(name for name, t in config.tenants.items() if t.subscribers_read_tokens),
+    )
