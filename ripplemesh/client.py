@@ -28,6 +28,7 @@ from schemas.events import (
     PriorityClass,
     ReplayTokens,
     ResponseFormat,
+    ServiceClass,
     StreamFailed,
     StreamFinished,
     SubmitRequest,
@@ -145,6 +146,8 @@ class MeshClient:
         tool_choice: ToolChoice | None = None,
         response_format: ResponseFormat | None = None,
         logprobs: int | None = None,
+        priority_level: int = 0,
+        service_class: ServiceClass = "interactive",
     ) -> AsyncIterator[TokenEvent]:
         """Submit one request and yield every token event, in order, ending with the final one.
 
@@ -167,6 +170,8 @@ class MeshClient:
             tool_choice=tool_choice,
             response_format=response_format,
             logprobs=logprobs,
+            priority_level=priority_level,
+            service_class=service_class,
         )
         stream = TokenStream(
             self.nc,

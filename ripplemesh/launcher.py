@@ -41,7 +41,7 @@ from services.mesh.config import load_config
 from services.mesh.embedded_nats import EmbeddedNats, free_port
 from services.mesh.nats_auth import NatsAuth, NatsCredentials, auth_for_config, save_credentials
 
-SERVICES_IN_ORDER = ("ledger", "autoscaler", "router", "admission", "ingress")
+SERVICES_IN_ORDER = ("ledger", "autoscaler", "router", "admission", "ingress", "batch")
 
 
 # pending: asked for by the autoscaler, started at the next `tend`; retiring: drained by it, let

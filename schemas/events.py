@@ -21,6 +21,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 PriorityClass = Literal["critical", "standard", "sheddable"]
+# What kind of work a request is, for the ledger's cost by class: a client's own request, or a
+# line of a Batch API job (services/batch/), which runs only in the fleet's spare capacity.
+ServiceClass = Literal["interactive", "batch"]
 WorkerRole = Literal["prefill", "decode"]
 ServingMode = Literal["aggregated", "disaggregated"]
 RequestApi = Literal["chat", "completion", "nats"]
@@ -239,6 +242,8 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     # The LoRA adapter to serve it with, beside `model` (None: the model alone); it seeds the
     # block hashes with the model, so prefixes under two adapters share no KV.
     adapter: str | None = None
+    # A Batch API line ("batch") or a client's own request; the ledger reports the two apart.
+    service_class: ServiceClass = "interactive"
 
 
 class KvHandle(Struct, frozen=True, kw_only=True):
@@ -309,6 +314,9 @@ class SubmitRequest(Event, frozen=True, kw_only=True, tag="request.submit.v1"):
     tool_choice: ToolChoice | None = None
     response_format: ResponseFormat | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # "batch": a Batch API line (the batch runner's); ingress runs it as the lowest work there is
+    # (sheddable, at the lowest priority level) whatever it asked for.
+    service_class: ServiceClass = "interactive"
 
 
 class CancelRequest(Event, frozen=True, kw_only=True, tag="request.cancel.v1"):
@@ -474,6 +482,8 @@ class DecodeCompleted(Event, frozen=True, kw_only=True, tag="request.decode_comp
     deadline_at: float | None = None
     # The request's class, for the ledger's cost by class; None from older producers.
     priority: PriorityClass | None = None
+    # Interactive or a Batch API line, for the ledger's cost by service class.
+    service_class: ServiceClass = "interactive"
 
 
 class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from ripplemesh.bench.overhead import run_overhead_bench
 
-SERVICES = ("ingress", "admission", "router", "prefill-0", "decode-0", "ledger", "autoscaler")
+SERVICES = ("ingress", "admission", "router", "prefill-0", "decode-0", "ledger", "autoscaler", "batch")
 
 
 def test_the_overhead_bench_prints_mesh_floor_ratio_and_cpu_by_service() -> None:

@@ -160,7 +160,7 @@ def test_the_validation_catches_mistakes() -> None:
 
 
 def test_there_are_the_expected_objects() -> None:
-    services = ("ingress", "admission", "router", "ledger", "autoscaler")
+    services = ("ingress", "admission", "router", "ledger", "autoscaler", "batch")
     workers = ("prefill-h100", "decode-h100")
     assert set(DEPLOYMENTS) == {f"ripplemesh-{n}" for n in (*services, *workers)}
     assert set(SERVICES) == {f"ripplemesh-{n}" for n in services}

@@ -28,6 +28,7 @@ _SERVICE_CLASSES = {
     "decode": ("services.decode.service", "DecodeService"),
     "autoscaler": ("services.autoscaler.service", "AutoscalerService"),
     "ledger": ("services.ledger.service", "LedgerService"),
+    "batch": ("services.batch.service", "BatchService"),
 }
 SERVICES = tuple(_SERVICE_CLASSES)
 

@@ -125,6 +125,7 @@ class NatsPath(ServicePart):
                     tool_choice=submission.tool_choice,
                     response_format=submission.response_format,
                     logprobs=submission.logprobs,
+                    service_class=submission.service_class,
                 ),
                 self._rt.config,
                 submission.occurred_at or time.time(),

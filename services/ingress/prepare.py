@@ -16,6 +16,7 @@ from schemas.events import (
     RefusalPart,
     RequestApi,
     ResponseFormat,
+    ServiceClass,
     TextPart,
     ToolChoice,
     ToolSpec,
@@ -64,6 +65,8 @@ class ClientRequest:
     response_format: ResponseFormat | None = None
     # Log-probabilities: None, none; k, each token's own and its k likeliest alternatives.
     logprobs: int | None = None
+    # "batch": a Batch API line, run as the lowest work there is (see `prepare`).
+    service_class: ServiceClass = "interactive"
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -207,6 +210,10 @@ def prepare(
     the engine then refuses what it cannot do)."""
     model, adapter = served_model(request.model, config)
     priority = granted_priority(request.priority, config.tenants.get(request.tenant))
+    priority_level = request.priority_level
+    if request.service_class == "batch":
+        # A batch line waits for spare capacity: the lowest class and level admission knows.
+        priority, priority_level = "sheddable", config.admission.min_priority_level
     if request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     if request.temperature < 0 or request.temperature > 2:
@@ -259,10 +266,11 @@ def prepare(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         priority=priority,
-        priority_level=request.priority_level,
+        priority_level=priority_level,
         deadline_at=now + request.deadline_ms / 1000 if request.deadline_ms else None,
         workflow=request.workflow,
         submitted_at=now,
         logprobs=request.logprobs,
         constraint=constraint,
+        service_class=request.service_class,
     )

@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 
 from schemas.events import ClientEvent
 from schemas.subjects import INGRESS_CONSUMER, WORKERS
+from services.ingress.batch_api import BatchApi
 from services.ingress.fleet import FleetView
 from services.ingress.http_api import HttpApi
 from services.ingress.http_helpers import error_response
@@ -38,6 +39,7 @@ class IngressService:
         self.fleet = FleetView()
         self.http = HttpApi(lambda: self._rt, self.fleet)
         self.nats = NatsPath(lambda: self._rt, self.fleet)
+        self.batch = BatchApi(lambda: self._rt, self.fleet, self.http._authenticate)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -70,6 +72,14 @@ class IngressService:
             Route("/v1/chat/completions", self.http.chat, methods=["POST"]),
             Route("/v1/completions", self.http.completions, methods=["POST"]),
             Route("/v1/models", self.http.models, methods=["GET"]),
+            # The Batch API (batch_api.py; run by services/batch/).
+            Route("/v1/files", self.batch.create_file, methods=["POST"]),
+            Route("/v1/files/{file_id}", self.batch.get_file, methods=["GET"]),
+            Route("/v1/files/{file_id}/content", self.batch.file_content, methods=["GET"]),
+            Route("/v1/batches", self.batch.create_batch, methods=["POST"]),
+            Route("/v1/batches", self.batch.list_batches, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", self.batch.get_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self.batch.cancel_batch, methods=["POST"]),
             Route("/health", self.http.health, methods=["GET"]),
             Route("/openapi.json", self.http.openapi, methods=["GET"]),
         ]

@@ -95,6 +95,8 @@ class RequestDelta:
     deadline_at: float | None = None
     workflow_step: int | None = None
     workflow_steps: int | None = None
+    # 'batch' for a Batch API line (from its decode's report); None: interactive. Fills a gap.
+    service_class: str | None = None
     # Whether a prefill (decode) report is among the events: its columns then replace the row's.
     has_prefill: bool = False
     has_decode: bool = False
@@ -268,6 +270,8 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
                 delta.finish_reason = event.finish_reason
                 delta.latency_s = event.latency_s
                 delta.completed_at = event.occurred_at
+                if event.service_class != "interactive":
+                    delta.service_class = event.service_class
                 _complete(task, event, workflow_id)
                 task.kv_cost_usd += kv_cost
                 task.kv_transfer_bytes += kv_bytes

@@ -25,6 +25,7 @@ from services.ledger.schema import STATUSES, events, idle_spend, ledger_errors, 
 from services.ledger.summaries import (
     SUMS,
     FiguresByKey,
+    class_summaries,
     facts_of,
     tenant_summaries,
     totals_summary,
@@ -82,6 +83,20 @@ async def by_tenant(conn: AsyncConnection) -> list[dict[str, Any]]:
     ).group_by(_rc.tenant)
     rows = (await conn.execute(query)).all()
     return tenant_summaries((row._mapping for row in rows), STATUSES)
+
+
+async def by_class(conn: AsyncConnection) -> list[dict[str, Any]]:
+    """Per service class (interactive, batch): requests by status, spend, GPU-seconds, tokens
+    and the cost per completed request."""
+    service_class = sa.func.coalesce(_rc.service_class, _literal("interactive"))
+    query = sa.select(
+        service_class.label("service_class"),
+        sa.func.count().label("requests"),
+        *(sa.func.count().filter(_rc.status == s).label(s) for s in STATUSES),
+        *_sums(),
+    ).group_by(service_class)
+    rows = (await conn.execute(query)).all()
+    return class_summaries((row._mapping for row in rows), STATUSES)
 
 
 # ---------------------------------------------------------------- tasks

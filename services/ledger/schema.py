@@ -170,6 +170,14 @@ MIGRATIONS: list[Migration] = [
             """,
         ],
     ),
+    (
+        3,
+        [
+            # A request's service class: NULL for an interactive one (and rows before it), 'batch'
+            # for a Batch API line (services/batch/), reported apart (queries.by_class).
+            "ALTER TABLE request_costs ADD COLUMN service_class TEXT",
+        ],
+    ),
 ]
 
 SCHEMA_MIGRATIONS_DDL = (
@@ -237,6 +245,8 @@ request_costs = sa.Table(
     sa.Column("deadline_at", sa.Double),
     sa.Column("workflow_step", sa.Integer),
     sa.Column("workflow_steps", sa.Integer),
+    # Migration 3.
+    sa.Column("service_class", sa.Text),
 )
 
 ledger_errors = sa.Table(

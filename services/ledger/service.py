@@ -288,6 +288,7 @@ class LedgerService:
             Route("/v1/ledger/totals", self._totals, methods=["GET"]),
             Route("/v1/ledger/requests/{request_id}", self._request, methods=["GET"]),
             Route("/v1/ledger/tenants", self._tenants, methods=["GET"]),
+            Route("/v1/ledger/classes", self._classes, methods=["GET"]),
             Route("/v1/ledger/report", self._report, methods=["GET"]),
             Route("/v1/ledger/workflows/{workflow_id}", self._workflow, methods=["GET"]),
         ]
@@ -460,6 +461,11 @@ class LedgerService:
     async def _tenants(self, _: Request) -> JSONResponse:
         assert self.store is not None
         return JSONResponse({"tenants": await self.store.by_tenant()})
+
+    async def _classes(self, _: Request) -> JSONResponse:
+        """Interactive requests and Batch API lines apart: their spend and cost per completion."""
+        assert self.store is not None
+        return JSONResponse({"classes": await self.store.by_class()})
 
     async def _report(self, request: Request) -> JSONResponse:
         """The figures of merit, for the fleet and by tenant, pool or workflow."""

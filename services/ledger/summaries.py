@@ -109,6 +109,25 @@ def tenant_summaries(rows: Iterable[Mapping[Any, Any]], statuses: Sequence[str])
     return tenants
 
 
+def class_summaries(rows: Iterable[Mapping[Any, Any]], statuses: Sequence[str]) -> list[dict[str, Any]]:
+    """One dict per service class row (``service_class``, ``requests``, a count per status,
+    `SUMS` with the derived figures, and ``cost_per_completed_request_usd``: the class's whole
+    spend over its completed requests, None with none completed), interactive first."""
+    classes: list[dict[str, Any]] = []
+    for row in rows:
+        summary: dict[str, Any] = {
+            "service_class": row["service_class"],
+            "requests": int(row["requests"]),
+            **{status: int(row[status]) for status in statuses},
+            **with_derived(sums_of(row)),
+        }
+        completed = summary.get("completed", 0)
+        summary["cost_per_completed_request_usd"] = summary["spend_usd"] / completed if completed else None
+        classes.append(summary)
+    classes.sort(key=lambda c: (c["service_class"] != "interactive", c["service_class"]))
+    return classes
+
+
 def facts_of(row: Sequence[Any]) -> TaskFacts:
     """A ``tasks`` row (the columns of `TaskFacts`' fields, in order) as facts. Both drivers
     return these columns as str, int and float already (SQLite may give an int for a whole REAL)."""

@@ -136,6 +136,7 @@ def upsert_requests(dialect: str) -> Any:
         "deadline_at": sa.func.coalesce(_rc.deadline_at, excluded.deadline_at),
         "workflow_step": sa.func.coalesce(_rc.workflow_step, excluded.workflow_step),
         "workflow_steps": sa.func.coalesce(_rc.workflow_steps, excluded.workflow_steps),
+        "service_class": sa.func.coalesce(_rc.service_class, excluded.service_class),
     }
     updates.update({name: _rc[name] + excluded[name] for name in _REQUEST_ADDED})
     return stmt.on_conflict_do_update(index_elements=[_rc.request_id], set_=updates)

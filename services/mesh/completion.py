@@ -46,6 +46,7 @@ def decode_completed(
         workflow_steps=workflow.steps if workflow else None,
         deadline_at=request.deadline_at,
         priority=request.priority,
+        service_class=request.service_class,
     )
 
 

@@ -1,0 +1,59 @@
+"""The ledger's service classes (interactive, Batch API lines) on a real SQLite file and a real
+PostgreSQL: the class a decode reports is kept on its request, and reported apart, whatever the
+order its events come in."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.ledger.fold import fold
+from services.ledger.store import LedgerStore
+from tests.test_ledger_store import PRICES, decode, fresh_database, prefill
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def store(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[LedgerStore]:
+    async with fresh_database(request.param, tmp_path / "ledger.db") as kwargs:
+        ledger = await LedgerStore.open(**kwargs)
+        try:
+            yield ledger
+        finally:
+            await ledger.close()
+
+
+def test_the_fold_keeps_a_batch_decodes_class() -> None:
+    batch = msgspec.structs.replace(decode("e-d", "b1", "acme", "h100", 2.0), service_class="batch")
+    folded = fold([prefill("e-p", "b1", "acme", "h100", 1.0), batch], PRICES)
+    (delta,) = folded.requests
+    assert delta.service_class == "batch"
+    (plain,) = fold([decode("e-i", "i1", "acme", "h100", 2.0)], PRICES).requests
+    assert plain.service_class is None
+
+
+async def test_classes_are_reported_apart(store: LedgerStore) -> None:
+    # A batch line's prefill comes after its decode here: the class still lands on its row.
+    events = [
+        msgspec.structs.replace(decode("e-b1-d", "b1", "acme", "h100", 2.0), service_class="batch"),
+        prefill("e-b1-p", "b1", "acme", "h100", 1.0),
+        prefill("e-b2-p", "b2", "acme", "h100", 1.0),
+        msgspec.structs.replace(decode("e-b2-d", "b2", "acme", "h100", 1.0), service_class="batch"),
+        decode("e-i1-d", "i1", "acme", "h100", 4.0),
+        prefill("e-i2-p", "i2", "acme", "h100", 1.0),  # still running
+    ]
+    for event in events:
+        assert await store.record(event, PRICES)
+    classes = {c["service_class"]: c for c in await store.by_class()}
+    assert list(classes) == ["interactive", "batch"]
+    batch, interactive = classes["batch"], classes["interactive"]
+    assert (batch["requests"], batch["completed"]) == (2, 2)
+    assert batch["gpu_seconds"] == pytest.approx(5.0)
+    assert batch["spend_usd"] == pytest.approx(5.0 * PRICES["h100"] / 3600)
+    assert batch["cost_per_completed_request_usd"] == pytest.approx(batch["spend_usd"] / 2)
+    assert (interactive["requests"], interactive["completed"], interactive["running"]) == (2, 1, 1)
+    assert interactive["cost_per_completed_request_usd"] == pytest.approx(interactive["spend_usd"])
+    assert (await store.request("b1") or {})["service_class"] == "batch"
+    assert (await store.request("i1") or {})["service_class"] is None
