@@ -42,7 +42,7 @@ from ripplemesh.launcher import Mesh
 from services.mesh.config import DEFAULT_CONFIG
 from services.mesh.embedded_nats import free_port
 
-KINDS = ("decode", "prefill", "router", "admission", "ledger", "ingress")
+KINDS = ("decode", "prefill", "router", "admission", "ledger", "ingress", "batch")
 API_KEY = "rm-demo-key"
 PROMPTS = [f"chaos prompt {i}: explain how the mesh keeps a stream going " * 3 for i in range(16)]
 
@@ -58,6 +58,7 @@ class Outcome:
     finish: str | None = None
     error: str | None = None
     request_id: str | None = None  # from the first chunk's id
+    detail: str | None = None  # what cut a connection (the HTTP client's own error)
 
 
 @dataclass
@@ -72,6 +73,18 @@ class Kill:
 class Drill:
     outcomes: list[Outcome] = field(default_factory=list)
     kills: list[Kill] = field(default_factory=list)
+    # When the load generator's own event loop ran late by more than a second, and by how
+    # much: a client whose loop stalls past its connect timeout fails on its own.
+    stalls: list[tuple[float, float]] = field(default_factory=list)
+
+
+async def _watch_loop(drill: Drill, every_s: float = 0.1) -> None:
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(every_s)
+        late = time.monotonic() - before - every_s
+        if late > 1.0:
+            drill.stalls.append((before, late))
 
 
 async def _one(api: openai.AsyncOpenAI, outcome: Outcome, max_tokens: int) -> None:
@@ -95,8 +108,9 @@ async def _one(api: openai.AsyncOpenAI, outcome: Outcome, max_tokens: int) -> No
                 outcome.finish = choice.finish_reason or outcome.finish
     except openai.APIStatusError as exc:
         outcome.error = f"HTTP {exc.status_code}"
-    except openai.APIConnectionError:
+    except openai.APIConnectionError as exc:
         outcome.error = "connection cut"
+        outcome.detail = repr(exc.__cause__ or exc)[:200]
     except Exception as exc:
         # An error event mid-stream (openai.APIError): its message says which (stalled, failed).
         outcome.error = f"{type(exc).__name__}: {str(exc)[:60]}"
@@ -139,6 +153,7 @@ async def _drill(
     start = time.monotonic()
     next_kill = start + kill_every_s
     turn = 0
+    watch = asyncio.create_task(_watch_loop(drill))
     try:
         sent = 0
         while (now := time.monotonic()) - start < duration_s:
@@ -157,6 +172,7 @@ async def _drill(
             await asyncio.sleep(0.005)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
     finally:
+        watch.cancel()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -218,6 +234,33 @@ def _recoveries(mesh: Mesh, drill: Drill) -> None:
         kill.recovered_s = times.pop(0) if times else None
 
 
+def _write_timeline(drill: Drill, path: Path) -> None:
+    """The kills and the failed requests, in time order (seconds since the drill began), beside
+    the mesh's logs in the data directory: what a failure coincided with."""
+    begin = min([o.started for o in drill.outcomes] + [k.at for k in drill.kills], default=0.0)
+    rows: list[dict[str, Any]] = (
+        [{"at": round(k.at - begin, 3), "kill": k.name, "kind": k.kind} for k in drill.kills]
+        + [
+            {"at": round(at - begin, 3), "load_generator_stalled_s": round(late, 3)}
+            for at, late in drill.stalls
+        ]
+        + [
+            {
+                "at": round(o.started - begin, 3),
+                "ended": round(o.ended - begin, 3),
+                "error": o.error or "no final chunk",
+                "request_id": o.request_id,
+                "chunks": o.chunks,
+                "detail": o.detail,
+            }
+            for o in drill.outcomes
+            if o.error is not None or o.finish is None
+        ]
+    )
+    rows.sort(key=lambda row: row["at"])
+    path.write_text("".join(msgspec.json.encode(row).decode() + "\n" for row in rows))
+
+
 def run_chaos_bench(
     *,
     duration_s: float,
@@ -268,6 +311,7 @@ def run_chaos_bench(
                         seed=seed,
                     )
                 )
+                _write_timeline(drill, data_dir / "chaos-timeline.jsonl")
                 healed = _all_running(mesh, timeout_s=60)
                 references = asyncio.run(_references(mesh, max_tokens))
                 time.sleep(3)  # the ledger's last events
@@ -335,6 +379,10 @@ def _report(
         str(sum(1 for o in cut_by_ingress if o.request_id is None)),
     )
     table.add_row("every service running at the end", "yes" if healed else "NO")
+    worst_stall = max((late for _, late in drill.stalls), default=0.0)
+    table.add_row(
+        "load generator's own loop late > 1 s (times, worst s)", f"{len(drill.stalls)}, {worst_stall:.1f}"
+    )
     console.print(table)
 
     kills = Table(title="kills", show_header=True)
@@ -365,4 +413,5 @@ def _report(
         "kills": len(drill.kills),
         "recovery_max_s": max(recovered, default=0.0),
         "healed": healed,
+        "load_generator_stalls": len(drill.stalls),
     }

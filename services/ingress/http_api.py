@@ -407,6 +407,11 @@ class HttpApi(ServicePart):
             log.warning("stream stalled", extra={"error": str(exc)})
             yield sse_event(error_body(f"the stream stalled: {exc}", type_="server_error", code="timeout"))
             yield sse_event("[DONE]")
+        except Exception as exc:
+            # Anything else mid-stream: the client gets an error event, not a cut connection.
+            log.exception("stream broke")
+            yield sse_event(error_body(f"the stream broke: {exc!r}", type_="server_error", code="internal"))
+            yield sse_event("[DONE]")
         finally:
             await self._close(choices)
 

@@ -48,6 +48,8 @@ PUBLISH_RETRY_S = 30.0
 # After a failed attempt, each further one waits this long at most for its ack: an election
 # ends between two attempts, not inside one long wait.
 RETRY_ATTEMPT_TIMEOUT_S = 2.0
+# How long one look at a stream's leader waits for an answer while a service starts.
+LEADER_POLL_S = 0.5
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.25, 0.5, 1.0)
 # A fast publish on a replicated stream not acked within this long is published again, acked.
 FAST_ACK_WAIT_S = 3.0
@@ -272,54 +274,68 @@ class Bus:
     async def _provision(self, streams: list[StreamSpec], buckets: list[KvBucketSpec]) -> None:
         # Each call answered in milliseconds on a settled cluster; one left unanswered (a node
         # just lost, its meta leader moving) is tried again after 2 s, not a publish's 5 s: a
-        # service restarted then is back that much sooner.
+        # service restarted then is back that much sooner. The calls go out together: a
+        # stream without a leader holds up only itself.
         js = self.nc.jetstream(timeout=RETRY_ATTEMPT_TIMEOUT_S)
-        for spec in streams:
+
+        async def stream(spec: StreamSpec) -> None:
             config = _stream_config(spec, self.replicas)
             try:
                 await js.add_stream(config)
             except BadRequestError:
                 # Exists with another configuration (an upgrade): bring it to this spec.
                 await js.update_stream(config)
-        for bucket in buckets:
-            await self.key_value(bucket)
+
+        await asyncio.gather(*(stream(spec) for spec in streams))
+        # The buckets made sure of with the short timeout; the KeyValue handles the services
+        # keep (self.key_value) wait as long as a publish does.
+        await asyncio.gather(*(self._ensure_bucket(bucket, js) for bucket in buckets))
         if self.replicas > 1:
             names = [spec.name for spec in streams] + [f"KV_{bucket.bucket}" for bucket in buckets]
             await self.wait_for_leaders(names)
 
     async def wait_for_leaders(self, streams: Iterable[str], timeout_s: float = 30.0) -> None:
         """Wait until each replicated stream has elected a leader: until then a publish to it
-        finds no responder. A service starts only once its streams can take its events."""
+        finds no responder. A service starts only once its streams can take its events.
+
+        A stream without a leader does not answer at all, so each look waits briefly: the
+        service starts within half a second of the election, not a full API timeout later."""
+        js = self.nc.jetstream(timeout=LEADER_POLL_S)
         deadline = time.monotonic() + timeout_s
-        for name in streams:
+
+        async def leader(name: str) -> None:
             while True:
                 try:
-                    info = await self.js.stream_info(name)
+                    info = await js.stream_info(name)
                     if info.cluster is None or info.cluster.leader:
-                        break
+                        return
                 except (*TRANSIENT_ERRORS, NotFoundError):  # just created: not known everywhere yet
                     pass
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"stream {name} has no leader after {timeout_s:.0f}s")
                 await asyncio.sleep(0.1)
 
+        await asyncio.gather(*(leader(name) for name in streams))
+
     async def key_value(self, bucket: KvBucketSpec) -> KeyValue:
         kv = self._kv.get(bucket.bucket)
         if kv is None:
-            try:
-                kv = await self.js.key_value(bucket.bucket)
-            except (NotFoundError, BadRequestError):
-                kv = await self.js.create_key_value(
-                    jsapi.KeyValueConfig(
-                        bucket=bucket.bucket,
-                        description=bucket.description,
-                        history=bucket.history,
-                        ttl=bucket.ttl_s,
-                        replicas=self.replicas,
-                    )
-                )
-            self._kv[bucket.bucket] = kv
+            kv = self._kv[bucket.bucket] = await self._ensure_bucket(bucket, self.js)
         return kv
+
+    async def _ensure_bucket(self, bucket: KvBucketSpec, js: JetStreamContext) -> KeyValue:
+        try:
+            return await js.key_value(bucket.bucket)
+        except (NotFoundError, BadRequestError):
+            return await js.create_key_value(
+                jsapi.KeyValueConfig(
+                    bucket=bucket.bucket,
+                    description=bucket.description,
+                    history=bucket.history,
+                    ttl=bucket.ttl_s,
+                    replicas=self.replicas,
+                )
+            )
 
     async def kv_objects(self) -> ObjectStore:
         """The Object Store bucket that carries KV caches too large for one message."""
