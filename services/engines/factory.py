@@ -52,6 +52,8 @@ def make_engine(settings: dict[str, Any], config: MeshConfig) -> Engine:
             device=settings.get("device") or None,
             max_context_tokens=model.max_context_tokens,
             kv_cache_tokens=settings.get("kv_cache_tokens"),
+            adapters={adapter.name: adapter.path for adapter in model.adapters if adapter.path},
+            adapter_load_s=max((a.load_s for a in model.adapters if a.path), default=0.0),
         )
     if kind == "vllm":
         from services.engines.vllm.engine import make_vllm_engine

@@ -672,3 +672,106 @@ async def test_kv_that_does_not_fit_is_refused(engine: HfEngine) -> None:
     finally:
         for e in (importer, bs8, deeper):
             await e.stop()
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+
+def _saved_adapter(path: Path, seed: int) -> Path:
+    """A LoRA adapter for the tiny model, saved as PEFT saves one: random, nonzero weights
+    (PEFT's default starts B at zero, an adapter that changes nothing)."""
+    peft = pytest.importorskip("peft")
+    from services.engines.hf.model import LoadedModel
+
+    base = LoadedModel.tiny_llama(seed=0, device=torch.device("cpu"), max_context_tokens=4096).model
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
+    peft.get_peft_model(base, config).save_pretrained(path)
+    return path
+
+
+def _greedy_reference(adapter_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """The adapter's own greedy continuation: PEFT's model, whole-sequence forward passes."""
+    import peft
+
+    from services.engines.hf.model import LoadedModel
+
+    base = LoadedModel.tiny_llama(seed=0, device=torch.device("cpu"), max_context_tokens=4096).model
+    model = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def _adapter_request(
+    request_id: str, tokens: list[int], adapter: str | None, max_tokens: int = 12
+) -> InferenceRequest:
+    return msgspec.structs.replace(
+        make_request(request_id, tokens, max_tokens=max_tokens),
+        adapter=adapter,
+        block_hashes=chain_block_hashes(tokens, BLOCK, model=MODEL, adapter=adapter),
+    )
+
+
+async def test_a_lora_adapter_is_loaded_with_peft_and_serves_beside_the_base_model(tmp_path: Path) -> None:
+    adapter_dir = _saved_adapter(tmp_path / "terse", seed=5)
+    engine = await started(
+        HfEngine(model=MODEL, block_size=BLOCK, device="cpu", adapters={"terse": str(adapter_dir)})
+    )
+    try:
+        assert engine.info.adapters == ("terse",) and engine.snapshot().adapters == ()
+        prompt = random_tokens(random.Random(41), 37)
+        _, base_before, _ = await serve(engine, _adapter_request("base-1", prompt, None))
+        _, adapted, _ = await serve(engine, _adapter_request("lora-1", prompt, "terse"))
+        # Loaded at its first request, and said so in the heartbeat's snapshot.
+        assert engine.snapshot().adapters == ("terse",)
+        assert adapted != base_before
+        # What PEFT's own model generates from the same adapter, token for token.
+        assert adapted == _greedy_reference(adapter_dir, prompt, len(adapted))
+        # The base model is still the base model once an adapter is loaded.
+        _, base_after, _ = await serve(engine, _adapter_request("base-2", prompt, None))
+        assert base_after == base_before
+        # Both in one decode batch: each row under its own adapter, the same tokens as alone.
+        steps = engine.stats.decode_steps
+        together = await asyncio.gather(
+            serve(engine, _adapter_request("base-3", prompt, None)),
+            serve(engine, _adapter_request("lora-2", prompt, "terse")),
+        )
+        assert [out for _, out, _ in together] == [base_before, adapted]
+        assert engine.stats.max_batch >= 2 and engine.stats.decode_steps - steps < 2 * len(adapted)
+        # The two share no prefix KV (the adapter is in the block hash): the second adapter
+        # request reused the first's blocks, the base requests only theirs.
+        assert together[1][0].cached_tokens > 0
+        with pytest.raises(EngineError, match="adapter 'chatty' is not served"):
+            await engine.prefill(_adapter_request("unknown", prompt, "chatty"))
+    finally:
+        await engine.stop()
+
+
+def test_the_factory_gives_the_hf_engine_the_configured_adapters(tmp_path: Path) -> None:
+    from services.engines.factory import make_engine
+    from services.mesh.config import AdapterConfig, MeshConfig, ModelConfig
+
+    adapter_dir = _saved_adapter(tmp_path / "terse", seed=5)
+    config = MeshConfig(
+        block_size=BLOCK,
+        models=[
+            ModelConfig(
+                name=MODEL,
+                adapters=[
+                    AdapterConfig(name="terse", path=str(adapter_dir), load_s=0.5),
+                    AdapterConfig(name="sim-only"),  # no weights to load: not served by hf
+                ],
+            )
+        ],
+        tenants={},
+        gpu_prices_per_hour={},
+    )
+    built = make_engine({"engine": "hf", "device": "cpu"}, config)
+    assert isinstance(built, HfEngine)
+    assert built.info.adapters == ("terse",) and built.info.adapter_load_s == 0.5

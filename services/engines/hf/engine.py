@@ -106,6 +106,10 @@ class _Sequence:
     steps: asyncio.Queue[DecodeStep | EngineError] = field(default_factory=asyncio.Queue)
     seed: int = 0
 
+    @property
+    def adapter(self) -> str | None:
+        return self.request.adapter
+
 
 def _seed(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") >> 2
@@ -131,6 +135,8 @@ class HfEngine:
         max_running: int = 64,
         tiny_overrides: dict[str, Any] | None = None,
         eos_token_ids: set[int] | None = None,
+        adapters: dict[str, str] | None = None,
+        adapter_load_s: float = 2.0,
     ):
         torch_device = pick_device(device)
         if model_path:
@@ -146,6 +152,9 @@ class HfEngine:
             )
         if eos_token_ids is not None:
             self.lm.eos_token_ids = set(eos_token_ids)
+        # LoRA adapters (name -> local PEFT directory), loaded with PEFT at their first request;
+        # `adapter_load_s` is what the router is told a load costs until one is measured.
+        self.lm.adapter_paths = dict(adapters or {})
         self.model_path = model_path
         shape = self.lm.kv_shape
         if kv_cache_tokens is None:
@@ -164,6 +173,8 @@ class HfEngine:
             self.blocks.total_blocks,
             # Real log-probabilities; no constrained decoding (tool calls, JSON).
             features=frozenset({"logprobs"}),
+            adapters=tuple(self.lm.adapter_paths),
+            adapter_load_s=adapter_load_s if self.lm.adapter_paths else 0.0,
         )
         self.max_running = max_running
         self.stats = HfStats()
@@ -389,6 +400,7 @@ class HfEngine:
             # A waiting sequence's cached prefix was found when it came.
             queued_tokens=sum(len(seq.request.prompt_tokens) - seq.cached_tokens for seq in self._waiting),
             context_tokens=sum(seq.length for seq in self._decoding.values()),
+            adapters=tuple(self.lm.loaded_adapters),
         )
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -443,7 +455,7 @@ class HfEngine:
         prefix = None
         if seq.prefix_blocks:
             prefix = torch.cat(seq.prefix_blocks, dim=3)[:, :, :, : seq.cached_tokens]
-        logits, kv = self.lm.prefill(request.prompt_tokens, prefix)
+        logits, kv = self.lm.prefill(request.prompt_tokens, prefix, request.adapter)
         first = sample(logits, request.temperature, seq.seed + len(request.prompt_tokens))
         logprob = None
         if request.logprobs is not None:

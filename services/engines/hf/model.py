@@ -97,6 +97,10 @@ class LoadedModel:
         self.fingerprint = fingerprint
         config_context = getattr(model.config, "max_position_embeddings", None) or max_context_tokens
         self.max_context_tokens = min(max_context_tokens, int(config_context))
+        # LoRA adapters it may serve (name -> local PEFT directory), loaded on first use.
+        self.adapter_paths: dict[str, str] = {}
+        self.loaded_adapters: list[str] = []  # in load order
+        self.adapter_load_s: dict[str, float] = {}
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
@@ -201,20 +205,55 @@ class LoadedModel:
 
     # ------------------------------------------------------------ forward passes
 
+    def _load_adapter(self, name: str) -> None:
+        """Load a LoRA adapter beside the others (PEFT): the model becomes a PeftModel at the
+        first, and each row of a forward pass then names its adapter (or the base model)."""
+        from peft import PeftModel
+
+        path = self.adapter_paths.get(name)
+        if path is None:
+            raise EngineError(f"adapter {name!r} has no path to load it from")
+        started = time.perf_counter()
+        try:
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(path, adapter_name=name)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"adapter {name!r} could not be loaded from {path}: {exc}") from exc
+        self.model.eval()
+        self.adapter_load_s[name] = time.perf_counter() - started
+        self.loaded_adapters.append(name)
+
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any, mask: Any
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        mask: Any,
+        adapters: list[str | None] | None = None,
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True, "position_ids": position_ids}
         if mask is not None:
             kwargs["attention_mask"] = mask
+        rows = adapters or [None] * int(input_ids.shape[0])
+        for name in {a for a in rows if a is not None} - set(self.loaded_adapters):
+            self._load_adapter(name)
+        if self.loaded_adapters:
+            # Once one is loaded every pass says each row's adapter: a row without one is the
+            # base model's (PEFT's "__base__"), not the adapter loaded last.
+            kwargs["adapter_names"] = [a if a is not None else "__base__" for a in rows]
         if self._logits_kw is not None:
             kwargs[self._logits_kw] = 1
         out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[:, -1, :].float()
 
     @torch.inference_mode()
-    def prefill(self, tokens: list[int], prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute the prompt's KV after the cached `prefix` (its first tokens' KV, or None).
+    def prefill(
+        self, tokens: list[int], prefix: torch.Tensor | None, adapter: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute the prompt's KV after the cached `prefix` (its first tokens' KV, or None),
+        under the LoRA `adapter` (None: the base model).
 
         Returns the next-token logits [vocab] and the whole prompt's KV [layers, 2, kvh, n, hd].
         """
@@ -225,7 +264,7 @@ class LoadedModel:
                 cache.update(prefix[layer, 0].unsqueeze(0), prefix[layer, 1].unsqueeze(0), layer)
         ids = torch.tensor([tokens[done:]], dtype=torch.long, device=self.device)
         positions = torch.arange(done, len(tokens), device=self.device).unsqueeze(0)
-        logits = self._forward(ids, positions, cache, None)
+        logits = self._forward(ids, positions, cache, None, [adapter])
         kv = torch.stack([torch.stack((k[0], v[0])) for k, v in cache_tensors(cache)])
         return logits[0], kv
 
@@ -251,6 +290,9 @@ class BatchMember(Protocol):
     retired: bool  # finished or released: its KV need not be kept
     length: int  # tokens whose KV is computed
     last_token: int  # the token to feed next (its KV is not computed yet)
+
+    @property
+    def adapter(self) -> str | None: ...  # its LoRA adapter (None: the base model)
 
 
 class DecodeBatch:
@@ -329,7 +371,7 @@ class DecodeBatch:
         )
         mask = torch.zeros((len(members), 1, 1, valid.shape[1]), dtype=self.lm.dtype, device=device)
         mask.masked_fill_(~valid[:, None, None, :], torch.finfo(self.lm.dtype).min)
-        logits = self.lm._forward(ids, positions, self._cache, mask)
+        logits = self.lm._forward(ids, positions, self._cache, mask, [m.adapter for m in members])
         self._valid = valid
         for m in members:
             m.length += 1
