@@ -204,3 +204,51 @@ async def test_vllm_disaggregated_handoff_through_nixl(engine: VllmEngine) -> No
             await decode.stop()
     finally:
         await prefill.stop()
+
+
+async def test_vllm_serves_a_lora_adapter_beside_the_base_model(engine: VllmEngine, tmp_path: Path) -> None:
+    """A PEFT adapter made here for the test model (random, nonzero weights) through vLLM's
+    LoRARequest: its greedy output differs from the base model's, the base model's is unchanged,
+    the heartbeat lists it warm, and an adapter not configured is refused."""
+    import msgspec
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(MODEL_PATH)
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(base, config).save_pretrained(tmp_path / "lora")
+    del base
+    await engine.stop()  # one engine on the GPU at a time: the module's is started again below
+    lora = VllmEngine(
+        model=MODEL,
+        model_path=MODEL_PATH,
+        block_size=BLOCK,
+        max_context_tokens=MAX_CONTEXT,
+        gpu_memory_utilization=GPU_MEMORY,
+        ignore_eos=True,
+        engine_kwargs={"enforce_eager": True},
+        adapters={"test-lora": str(tmp_path / "lora")},
+    )
+    await lora.start()
+    try:
+        prompt = tokens(11, 2 * BLOCK + 3)
+
+        def with_adapter(rid: str, adapter: str | None) -> InferenceRequest:
+            plain = request(rid, prompt, max_tokens=8)
+            hashes = chain_block_hashes(prompt, BLOCK, model=MODEL, adapter=adapter)
+            return msgspec.structs.replace(plain, adapter=adapter, block_hashes=hashes)
+
+        def text(result: tuple[int, list[DecodeStep]]) -> list[int]:
+            return [t for step in result[1] for t in step.token_ids]
+
+        base_before = text(await run(lora, with_adapter("lora-base-1", None)))
+        adapted = text(await run(lora, with_adapter("lora-1", "test-lora")))
+        base_after = text(await run(lora, with_adapter("lora-base-2", None)))
+        assert adapted != base_before and base_after == base_before
+        assert lora.info.adapters == ("test-lora",) and lora.snapshot().adapters == ("test-lora",)
+        with pytest.raises(EngineError, match="adapter 'other' is not served"):
+            await lora.prefill(with_adapter("lora-unknown", "other"))
+    finally:
+        await lora.stop()
+        await engine.start()

@@ -232,3 +232,12 @@ def test_the_batch_load_counts_prompts_to_prefill_and_the_decoding_context() -> 
     # The scheduler's counts may be a step ahead: each waiting or running request counts at
     # least one token.
     assert batch_load([], queue_depth=3, running=4) == (3, 4)
+
+
+def test_each_adapter_has_one_lora_id_whatever_the_config_order() -> None:
+    from services.engines.vllm.engine import lora_ids
+
+    ids = lora_ids({"b-lora": "/b", "a-lora": "/a", "c-lora": "/c"})
+    # vLLM reads 0 as "no adapter"; the same ids on every worker and after every restart.
+    assert ids == {"a-lora": 1, "b-lora": 2, "c-lora": 3}
+    assert lora_ids({"c-lora": "/c", "a-lora": "/a", "b-lora": "/b"}) == ids

@@ -108,6 +108,9 @@ REMOTE_DECODE_PARAMS: dict[str, Any] = {
 # What NixlConnector's prefill side returns and its decode side needs.
 NIXL_REQUIRED = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
 KV_EVENTS_TOPIC = "rmesh-kv"
+# Adapters vLLM holds on the GPU at once (its `max_loras`; each costs GPU memory for its slots):
+# at most this many, fewer when fewer are configured. engine_kwargs may set it.
+MAX_LORAS_ON_GPU = 4
 _END = object()  # the generation stream ended
 _KEEP_GPU_SECONDS = 10_000
 _SNAPSHOT_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineSnapshot))
@@ -162,6 +165,8 @@ class VllmEngine:
         nixl_side_channel_port: int | None = None,
         ignore_eos: bool = False,
         engine_kwargs: Mapping[str, Any] | None = None,
+        adapters: Mapping[str, str] | None = None,
+        adapter_load_s: float = 2.0,
     ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -176,8 +181,21 @@ class VllmEngine:
         self.nixl_side_channel_port = nixl_side_channel_port
         self.ignore_eos = ignore_eos
         self.engine_kwargs = dict(engine_kwargs or {})
+        # LoRA adapters (name -> local PEFT directory or hub id): vLLM loads one at its first
+        # request (LoRARequest) and keeps up to `max_loras` on the GPU.
+        self.adapters = dict(adapters or {})
+        self._lora_ids = lora_ids(self.adapters)
+        self._loras_used: OrderedDict[str, None] = OrderedDict()
         # kv_blocks_total is known once vLLM has profiled the GPU (start()).
-        self.info = EngineInfo("vllm", model, gpu_type, block_size, 0)
+        self.info = EngineInfo(
+            "vllm",
+            model,
+            gpu_type,
+            block_size,
+            0,
+            adapters=tuple(self.adapters),
+            adapter_load_s=adapter_load_s if self.adapters else 0.0,
+        )
         self.max_model_len = max_context_tokens or 0
         self._llm: Any = None
         self._tokenizer: Any = None
@@ -283,6 +301,9 @@ class VllmEngine:
         }
         if self.max_context_tokens:
             kwargs["max_model_len"] = self.max_context_tokens
+        if self.adapters:
+            kwargs["enable_lora"] = True
+            kwargs["max_loras"] = min(len(self.adapters), MAX_LORAS_ON_GPU)
         if self.role != "aggregated":
             kwargs["kv_transfer_config"] = api.KVTransferConfig(
                 kv_connector=self.kv_connector,
@@ -488,10 +509,21 @@ class VllmEngine:
         }
         if "preemptions" in _SNAPSHOT_FIELDS:
             fields["preemptions"] = view.preemptions
+        # vLLM keeps the `max_loras` adapters used last on the GPU: those are the warm ones.
+        fields["adapters"] = tuple(self._loras_used)
         fields["queued_tokens"], fields["context_tokens"] = batch_load(
             self._sequence_loads(), queue_depth=queue, running=running
         )
         return EngineSnapshot(**fields)
+
+    def _lora_request(self, adapter: str | None) -> Any:
+        if adapter is None:
+            return None
+        self._loras_used[adapter] = None
+        self._loras_used.move_to_end(adapter)
+        while len(self._loras_used) > min(len(self.adapters), MAX_LORAS_ON_GPU):
+            self._loras_used.popitem(last=False)
+        return self._api.LoRARequest(adapter, self._lora_ids[adapter], self.adapters[adapter])
 
     def _sequence_loads(self) -> Iterator[SequenceLoad]:
         size = self.info.block_size
@@ -593,7 +625,10 @@ class VllmEngine:
         """Read the request's stream into its queue, so nothing waits on the reader (decode may
         start later than the first token, or never). Cancelling this task makes vLLM abort."""
         try:
-            async for output in llm.generate(prompt, params, seq.request.request_id, trace_headers=trace):
+            lora = self._lora_request(seq.request.adapter)
+            async for output in llm.generate(
+                prompt, params, seq.request.request_id, lora_request=lora, trace_headers=trace
+            ):
                 seq.outputs.put_nowait(output)
         except asyncio.CancelledError:
             raise
@@ -795,6 +830,12 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+def lora_ids(adapters: Mapping[str, str]) -> dict[str, int]:
+    """Each adapter's `lora_int_id` for vLLM: 1, 2, ... by name (0 means no adapter to vLLM), the
+    same on every worker and every restart."""
+    return {name: index for index, name in enumerate(sorted(adapters), start=1)}
+
+
 def make_vllm_engine(settings: Mapping[str, Any], config: MeshConfig) -> VllmEngine:
     """Build a VllmEngine from a worker's settings and the mesh config, for the engine factory.
 
@@ -817,4 +858,6 @@ def make_vllm_engine(settings: Mapping[str, Any], config: MeshConfig) -> VllmEng
         tensor_parallel=int(settings.get("tensor_parallel", 1)),
         gpu_memory_utilization=float(settings.get("gpu_memory_utilization", 0.9)),
         nixl_side_channel_port=int(port) if port is not None else None,
+        adapters={a.name: a.path for a in model.adapters if a.path},
+        adapter_load_s=max((a.load_s for a in model.adapters if a.path), default=0.0),
     )

@@ -36,6 +36,8 @@ class VllmApi:
     KVTransferConfig: Any
     KVEventsConfig: Any
     StatLoggerBase: Any | None
+    # vllm.lora.request.LoRARequest(lora_name, lora_int_id, lora_path): a request's adapter.
+    LoRARequest: Any
     EngineDeadError: type[BaseException]
     EngineGenerateError: type[BaseException]
     # Request errors (the request's fault): vLLM's client errors where it has them, ValueError always.
@@ -59,6 +61,7 @@ def load_vllm() -> VllmApi:
     try:
         from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
@@ -94,6 +97,7 @@ def load_vllm() -> VllmApi:
         KVTransferConfig=KVTransferConfig,
         KVEventsConfig=KVEventsConfig,
         StatLoggerBase=StatLoggerBase,
+        LoRARequest=LoRARequest,
         EngineDeadError=EngineDeadError,
         EngineGenerateError=EngineGenerateError,
         client_errors=client_errors,
