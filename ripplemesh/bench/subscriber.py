@@ -7,6 +7,9 @@ the ledger runs) with a handler that does nothing, each reader twice (alternatin
   second until the last is handled;
 - live: events published at `rate` per second while the reader runs: the lag from each publish
   to its handler (p50, p99).
+- under a mesh: `ripplemesh up`'s services (sim engine, no compute time) driven by concurrent
+  clients as fast as they go, both readers at once on every event the mesh makes: events per
+  second the mesh made, and each reader's lag from an event's `occurred_at` to its handler.
 The SDK adds its dispatch, handler timeout and metrics to the same loop; the ratio says what
 that costs.
 """
@@ -26,12 +29,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ripplemesh.client import MeshClient
+from ripplemesh.launcher import Mesh
 from ripplemesh.subscriber import Context, Subscriber
 from schemas.events import LifecycleEvent, PrefillCompleted, new_event_id
 from schemas.subjects import LIFECYCLE, PREFIX, ConsumerSpec, event_subject
 from services.mesh.bus import Bus
 from services.mesh.consumer import Consumer, Delivery
-from services.mesh.embedded_nats import EmbeddedNats
+from services.mesh.embedded_nats import EmbeddedNats, free_port
 
 
 def _event(tag: str, i: int) -> PrefillCompleted:
@@ -61,6 +66,10 @@ class _Reader:
         self._stop: Callable[[], Awaitable[None]] | None = None
 
     def seen(self, event: Any) -> None:
+        if not self.tag:  # under a mesh: every event
+            self.count += 1
+            self.lags.append(time.time() - event.occurred_at)
+            return
         if isinstance(event, PrefillCompleted) and event.request_id.startswith(self.tag):
             self.count += 1
             self.lags.append(time.time() - event.occurred_at)
@@ -77,8 +86,8 @@ class _Reader:
             )
             sub = Subscriber(name, start_from=start, durable=False)  # type: ignore[arg-type]
 
-            @sub.on(PrefillCompleted)
-            async def handled(event: PrefillCompleted, context: Context) -> None:
+            @sub.on_subject(f"{PREFIX}.events.>")
+            async def handled(event: LifecycleEvent, context: Context) -> None:
                 self.seen(event)
 
             await sub.start(bus)
@@ -161,8 +170,61 @@ async def _run(count: int, rate: float, seconds: float) -> dict[str, dict[str, f
                 await bus.close()
 
 
+async def _drive(url: str, seconds: float, concurrency: int) -> tuple[dict[str, _Reader], float]:
+    bus = await Bus.connect(url, "bench")
+    readers = {kind: _Reader(kind, "", "new") for kind in ("loop", "sdk")}
+    try:
+        for reader in readers.values():
+            await reader.start(bus)
+        await asyncio.sleep(1.0)
+        async with MeshClient(url, "demo", first_token_timeout_s=30) as client:
+            began = time.monotonic()
+
+            async def requests(i: int) -> None:
+                n = 0
+                while time.monotonic() - began < seconds:
+                    n += 1
+                    async for _ in client.events(prompt=f"subscriber bench {i} {n}", max_tokens=4):
+                        pass
+
+            await asyncio.gather(*(requests(i) for i in range(concurrency)))
+            elapsed = time.monotonic() - began
+        # Both have read all there is once neither count moves for a second.
+        while True:
+            counts = [r.count for r in readers.values()]
+            await asyncio.sleep(1.0)
+            if counts == [r.count for r in readers.values()]:
+                break
+    finally:
+        for reader in readers.values():
+            await reader.stop()
+        await bus.close()
+    return readers, elapsed
+
+
+def _under_mesh(seconds: float, concurrency: int) -> tuple[dict[str, _Reader], float]:
+    with tempfile.TemporaryDirectory(prefix="ripplemesh-bench-") as tmp:
+        with EmbeddedNats(Path(tmp) / "nats") as server:
+            mesh = Mesh(
+                data_dir=Path(tmp) / "mesh",
+                nats_url=server.url,
+                http_port=free_port(),
+                prefill=1,
+                decode=1,
+                time_scale=0.0,
+            )
+            with mesh:
+                return asyncio.run(_drive(server.url, seconds, concurrency))
+
+
 def run_subscriber_bench(
-    *, count: int, rate: float, seconds: float, console: Console
+    *,
+    count: int,
+    rate: float,
+    seconds: float,
+    console: Console,
+    mesh_seconds: float = 20.0,
+    concurrency: int = 32,
 ) -> dict[str, dict[str, float]]:
     figures = asyncio.run(_run(count, rate, seconds))
     loop, sdk = figures["loop"], figures["sdk"]
@@ -182,4 +244,29 @@ def run_subscriber_bench(
         f"{sdk['lag_p99_s'] / loop['lag_p99_s']:.2f}",
     )
     console.print(table)
+    if mesh_seconds > 0:
+        readers, elapsed = _under_mesh(mesh_seconds, concurrency)
+        loop_r, sdk_r = readers["loop"], readers["sdk"]
+        made = max(loop_r.count, sdk_r.count)
+        table = Table(
+            title=f"under a mesh: {concurrency} clients for {mesh_seconds:g} s, "
+            f"{made / elapsed:,.0f} lifecycle events/s made"
+        )
+        for column in ("reader", "events read", "lag p50 (ms)", "lag p99 (ms)"):
+            table.add_column(column, justify="right")
+        under: dict[str, float] = {}
+        for name, reader in (("mesh consume loop", loop_r), ("Subscriber (SDK)", sdk_r)):
+            lags = sorted(reader.lags) or [0.0]
+            p50, p99 = statistics.median(lags), lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+            under[f"{reader.kind}_lag_p50_s"], under[f"{reader.kind}_lag_p99_s"] = p50, p99
+            under[f"{reader.kind}_events"] = reader.count
+            table.add_row(name, f"{reader.count:,}", f"{p50 * 1000:.1f}", f"{p99 * 1000:.1f}")
+        table.add_row(
+            "SDK / loop",
+            f"{sdk_r.count / max(1, loop_r.count):.2f}",
+            f"{under['sdk_lag_p50_s'] / max(1e-9, under['loop_lag_p50_s']):.2f}",
+            f"{under['sdk_lag_p99_s'] / max(1e-9, under['loop_lag_p99_s']):.2f}",
+        )
+        console.print(table)
+        figures["mesh"] = {"events_per_s": made / elapsed, **under}
     return figures

@@ -301,9 +301,20 @@ def bench_autoscale(
 @click.option("--events", "count", default=20000, show_default=True, help="Events of backlog to read.")
 @click.option("--rate", default=500.0, show_default=True, help="Live events per second.")
 @click.option("--seconds", default=10.0, show_default=True, help="Seconds of live events.")
-def bench_subscriber(count: int, rate: float, seconds: float) -> None:
+@click.option(
+    "--mesh-seconds", default=20.0, show_default=True, help="Seconds of load on a real mesh (0: none)."
+)
+@click.option("--concurrency", default=32, show_default=True, help="Clients driving the mesh at once.")
+def bench_subscriber(count: int, rate: float, seconds: float, mesh_seconds: float, concurrency: int) -> None:
     """The subscriber SDK's consume path against the mesh's own consume loop: backlog events/s
     and live lag, side by side, with their ratio."""
     from ripplemesh.bench.subscriber import run_subscriber_bench
 
-    run_subscriber_bench(count=count, rate=rate, seconds=seconds, console=Console())
+    run_subscriber_bench(
+        count=count,
+        rate=rate,
+        seconds=seconds,
+        console=Console(),
+        mesh_seconds=mesh_seconds,
+        concurrency=concurrency,
+    )
