@@ -383,6 +383,8 @@ class RequestRejected(Event, frozen=True, kw_only=True, tag="request.rejected.v1
     workflow_step: PositiveInt | None = None
     workflow_steps: PositiveInt | None = None
     deadline_at: float | None = None
+    # A Batch API line ("batch") or a client's own request, for the ledger's cost by service class.
+    service_class: ServiceClass = "interactive"
 
 
 class RequestRouted(Event, frozen=True, kw_only=True, tag="request.routed.v1"):
@@ -497,6 +499,8 @@ class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):
     workflow_step: PositiveInt | None = None
     workflow_steps: PositiveInt | None = None
     deadline_at: float | None = None
+    # A Batch API line ("batch") or a client's own request, for the ledger's cost by service class.
+    service_class: ServiceClass = "interactive"
 
 
 class RequestCancelled(Event, frozen=True, kw_only=True, tag="request.cancelled.v1"):

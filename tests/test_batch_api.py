@@ -233,7 +233,9 @@ def test_the_ledger_reports_the_batch_class_apart(mesh: Mesh, api: OpenAI) -> No
     api.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "interactive"}], max_tokens=4
     )
-    done = _finished(api, _submit(api, _jsonl([_chat_line(f"l-{i}", "priced", 8) for i in range(3)])).id)
+    lines = [_chat_line(f"l-{i}", "priced", 8) for i in range(3)]
+    lines.append(_chat_line("nowhere", "refused", model="no-such-model"))  # the mesh's 404
+    done = _finished(api, _submit(api, _jsonl(lines)).id)
     assert done.status == "completed"
     ledger = mesh.child("ledger").url
 
@@ -242,8 +244,11 @@ def test_the_ledger_reports_the_batch_class_apart(mesh: Mesh, api: OpenAI) -> No
             c["service_class"]: c
             for c in httpx.get(f"{ledger}/v1/ledger/classes", timeout=5).json()["classes"]
         }
-        ready = found.get("batch", {}).get("completed", 0) >= 3 and found.get("interactive", {}).get(
-            "completed", 0
+        batch = found.get("batch", {})
+        ready = (
+            batch.get("completed", 0) >= 3
+            and batch.get("rejected", 0) >= 1
+            and found.get("interactive", {}).get("completed", 0)
         )
         return found if ready else None
 
@@ -255,6 +260,8 @@ def test_the_ledger_reports_the_batch_class_apart(mesh: Mesh, api: OpenAI) -> No
     line_request = _rows(api, done.output_file_id)[0]["response"]["request_id"]
     row = httpx.get(f"{ledger}/v1/ledger/requests/{line_request}", timeout=5).json()
     assert row["service_class"] == "batch" and row["status"] == "completed"
+    # The refused line is the batch's too (RequestRejected carries the class), not interactive's.
+    assert batch["rejected"] >= 1 and found["interactive"].get("rejected", 0) == 0
 
 
 @pytest.mark.timeout(300)
@@ -406,3 +413,29 @@ def test_a_completions_batch(api: OpenAI) -> None:
     for body in bodies.values():
         assert body["object"] == "text_completion" and body["choices"][0]["text"]
         assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_the_batch_routes_are_in_the_openapi_document(mesh: Mesh) -> None:
+    document = httpx.get(f"http://127.0.0.1:{mesh.http_port}/openapi.json", timeout=10).json()
+    paths = document["paths"]
+    assert set(paths["/v1/files"]) == {"post"} and set(paths["/v1/batches"]) == {"get", "post"}
+    assert set(paths["/v1/batches/{batch_id}/cancel"]) == {"post"}
+    for path in ("/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches/{batch_id}"):
+        assert set(paths[path]) == {"get"}
+    upload = paths["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert upload["properties"]["purpose"]["enum"] == ["batch"]
+    body = document["components"]["schemas"]["CreateBatchBody"]
+    assert set(body["required"]) == {"input_file_id", "endpoint", "completion_window"}
+    assert "409" in paths["/v1/batches/{batch_id}/cancel"]["post"]["responses"]
+
+
+def test_an_id_with_non_ascii_letters_is_unknown_not_an_error(mesh: Mesh) -> None:
+    """NATS keys are ASCII: `²` or `é` (letters and digits to str.isalnum) is a 404, not a 500
+    (found by the fuzzer over the OpenAPI document)."""
+    headers = {"Authorization": f"Bearer {TEST_KEY}"}
+    base = f"http://127.0.0.1:{mesh.http_port}/v1"
+    for path in ("/files/file-²", "/files/fé/content", "/batches/batch_é", "/batches/batch_²/cancel"):
+        method = "POST" if path.endswith("/cancel") else "GET"
+        response = httpx.request(method, base + path, headers=headers, timeout=10)
+        assert response.status_code == 404, (path, response.text)
+        assert response.json()["error"]["code"] == "not_found"

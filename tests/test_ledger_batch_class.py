@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from schemas.events import RequestFailed, RequestRejected
 from services.ledger.fold import fold
 from services.ledger.store import LedgerStore
 from tests.test_ledger_store import PRICES, decode, fresh_database, prefill
@@ -57,3 +58,47 @@ async def test_classes_are_reported_apart(store: LedgerStore) -> None:
     assert interactive["cost_per_completed_request_usd"] == pytest.approx(interactive["spend_usd"])
     assert (await store.request("b1") or {})["service_class"] == "batch"
     assert (await store.request("i1") or {})["service_class"] is None
+
+
+async def test_a_batch_line_refused_or_failed_is_counted_in_its_class(store: LedgerStore) -> None:
+    """RequestRejected and RequestFailed carry the class too: a Batch API line the mesh refuses
+    (a 404 model, a 400) or a worker fails is reported as batch, not interactive."""
+    rejected = RequestRejected(
+        event_id="e-b3-r",
+        occurred_at=10.0,
+        request_id="b3",
+        tenant="acme",
+        stage="ingress",
+        reason="invalid",
+        message="unknown model",
+        service_class="batch",
+    )
+    failed = RequestFailed(
+        event_id="e-b4-f",
+        occurred_at=11.0,
+        request_id="b4",
+        tenant="acme",
+        stage="decode",
+        worker_id="w1",
+        message="engine error",
+        service_class="batch",
+    )
+    plain = RequestRejected(
+        event_id="e-i3-r",
+        occurred_at=12.0,
+        request_id="i3",
+        tenant="acme",
+        stage="admission",
+        reason="quota",
+        message="over quota",
+    )
+    for event in (prefill("e-b4-p", "b4", "acme", "h100", 1.0), rejected, failed, plain):
+        assert await store.record(event, PRICES)
+    classes = {c["service_class"]: c for c in await store.by_class()}
+    batch, interactive = classes["batch"], classes["interactive"]
+    assert (batch["requests"], batch["rejected"], batch["failed"]) == (2, 1, 1)
+    assert batch["gpu_seconds"] == pytest.approx(1.0)  # the failed line's prefill
+    assert (interactive["requests"], interactive["rejected"]) == (1, 1)
+    assert (await store.request("b3") or {})["service_class"] == "batch"
+    assert (await store.request("b4") or {})["service_class"] == "batch"
+    assert (await store.request("i3") or {})["service_class"] is None

@@ -297,6 +297,49 @@ def bench_autoscale(
         raise click.UsageError(str(exc)) from exc
 
 
+@bench.command("batch")
+@click.option("--quick", is_flag=True, help="The test's run (seconds): an hour's day, 300 lines, seed 0.")
+@click.option("--fleet", default="2xH100", show_default=True, help="The fixed fleet both runs share.")
+@click.option(
+    "--rate", default=0.3, show_default=True, help="Interactive conversations per second, the day's mean."
+)
+@click.option(
+    "--amplitude",
+    default=0.6,
+    show_default=True,
+    help="The daily shape's amplitude (peak/trough (1+a)/(1-a)).",
+)
+@click.option(
+    "--lines", default=60_000, show_default=True, help="Lines of the batch job, submitted at 00:00."
+)
+@click.option(
+    "--day", "day_s", default=86_400.0, show_default=True, help="The day's (and window's) length, seconds."
+)
+@click.option("--seeds", default="0-2", show_default=True, help="Seeds: 0-2 or 0,3,5.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("sim-out/batch"), show_default=True)
+def bench_batch(
+    quick: bool, fleet: str, rate: float, amplitude: float, lines: int, day_s: float, seeds: str, out: Path
+) -> None:
+    """A day of interactive traffic alone and with a Batch API job on the same fleet and seeds (the
+    job released by services/batch/policy.py): interactive p99 TTFT and SLO, the batch inside its
+    window, idle share, cost per successful task per class and for the fleet, side by side."""
+    import dataclasses
+
+    from ripplemesh.bench.batch import QUICK, QUICK_SEEDS, DayConfig, run_batch_bench
+    from services.simulator.sweep import parse_seeds
+
+    try:
+        if quick:
+            config = dataclasses.replace(QUICK, fleet=fleet, amplitude=amplitude)
+            chosen = QUICK_SEEDS
+        else:
+            config = DayConfig(fleet=fleet, rate=rate, lines=lines, day_s=day_s, amplitude=amplitude)
+            chosen = tuple(parse_seeds(seeds))
+        run_batch_bench(console=Console(width=220), config=config, seeds=chosen, out=out)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
 @bench.command("subscriber")
 @click.option("--events", "count", default=20000, show_default=True, help="Events of backlog to read.")
 @click.option("--rate", default=500.0, show_default=True, help="Live events per second.")

@@ -578,6 +578,7 @@ class AdmissionService:
             tenant=event.request.tenant,
             workflow=event.request.workflow,
             deadline_at=event.request.deadline_at,
+            service_class=event.request.service_class,
             stage="admission",
             reason=decision.reason,
             message=decision.message,

@@ -200,5 +200,6 @@ class BatchStore:
 
 
 def _valid_key(key: str) -> bool:
-    """Ids are KV keys: anything else (a client's guess with odd characters) is simply unknown."""
-    return 0 < len(key) <= 128 and all(c.isalnum() or c in "-_" for c in key)
+    """Ids are KV keys: anything else (a client's guess with odd characters, non-ASCII letters
+    and digits too, which NATS refuses) is simply unknown."""
+    return 0 < len(key) <= 128 and all((c.isascii() and c.isalnum()) or c in "-_" for c in key)

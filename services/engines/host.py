@@ -582,5 +582,6 @@ class EngineHost:
                 workflow_step=request.workflow.step if request.workflow else None,
                 workflow_steps=request.workflow.steps if request.workflow else None,
                 deadline_at=request.deadline_at,
+                service_class=request.service_class,
             ),
         )

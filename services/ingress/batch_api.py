@@ -33,7 +33,9 @@ from services.mesh.bus import TRANSIENT_ERRORS
 from services.mesh.runtime import Runtime
 
 
-class _CreateBatch(msgspec.Struct, kw_only=True):
+class CreateBatchBody(msgspec.Struct, kw_only=True):
+    """The body of `POST /v1/batches` (OpenAI's)."""
+
     input_file_id: str
     endpoint: str
     completion_window: str
@@ -178,7 +180,7 @@ class BatchApi(ServicePart):
         tenant = self._tenant(request)
         raw = await self._body(request, self._rt.config.max_body_bytes)
         try:
-            asked = msgspec.json.decode(raw, type=_CreateBatch)
+            asked = msgspec.json.decode(raw, type=CreateBatchBody)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(400, f"invalid request body: {exc}")
         if asked.endpoint not in ENDPOINTS:

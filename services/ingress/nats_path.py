@@ -178,4 +178,5 @@ class NatsPath(ServicePart):
             reason="invalid",
             message=exc.message,
             http_status=exc.status,
+            service_class=submission.service_class,
         )

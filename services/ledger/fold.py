@@ -303,6 +303,8 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
             # A cancelled request is no success: it fails its task, and what it spent is waste.
             new_status: Status = "rejected" if isinstance(event, RequestRejected) else "failed"
             delta.status = _unless_completed(delta.status, new_status)
+            if not isinstance(event, RequestCancelled) and event.service_class != "interactive":
+                delta.service_class = event.service_class
             task.failures += 1
             task.max_failed_step = max(task.max_failed_step, _step_of(event, workflow_id, UNKNOWN_STEP))
             task.steps = _max_steps(task.steps, _steps_of(event, workflow_id))

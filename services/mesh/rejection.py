@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from schemas.events import RequestRejected, StreamFailed, WorkflowRef, derived_event_id
+from schemas.events import RequestRejected, ServiceClass, StreamFailed, WorkflowRef, derived_event_id
 from schemas.subjects import event_subject, tokens_subject
 from services.mesh.bus import Bus
 
@@ -32,10 +32,12 @@ async def publish_rejection(
     workflow: WorkflowRef | None = None,
     deadline_at: float | None = None,
     seq: int = 0,
+    service_class: ServiceClass = "interactive",
 ) -> None:
     """`workflow` and `deadline_at` (the request's, when known) let the ledger fail the
     rejected request's workflow. `seq` is where the client's stream stands: 0, except for a
-    request placed again mid-stream (a migration)."""
+    request placed again mid-stream (a migration). `service_class` (a Batch API line's "batch")
+    lets the ledger count the rejection in its class."""
     now = time.time()
     await bus.publish(
         tokens_subject(tenant, request_id),
@@ -65,5 +67,6 @@ async def publish_rejection(
             workflow_step=workflow.step if workflow else None,
             workflow_steps=workflow.steps if workflow else None,
             deadline_at=deadline_at,
+            service_class=service_class,
         ),
     )

@@ -447,6 +447,7 @@ class Migrator:
                     workflow_step=workflow.step if workflow else None,
                     workflow_steps=workflow.steps if workflow else None,
                     deadline_at=request.deadline_at,
+                    service_class=request.service_class,
                 ),
             )
             await self._delete(raw)

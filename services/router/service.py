@@ -377,6 +377,7 @@ class RouterService:
             tenant=event.request.tenant,
             workflow=event.request.workflow,
             deadline_at=event.request.deadline_at,
+            service_class=event.request.service_class,
             stage="router",
             reason=REJECTION_REASONS[decision.reason],
             message=decision.message,

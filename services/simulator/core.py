@@ -45,7 +45,7 @@ import heapq
 import time
 
 from services.simulator.admission import DEFAULT_ADMISSION, AdmissionVariant
-from services.simulator.admission_flow import AdmissionFlow
+from services.simulator.batch import BatchFlow
 from services.simulator.fleet import FleetSpec
 from services.simulator.metrics import SimResult
 from services.simulator.records import (
@@ -62,6 +62,7 @@ from services.simulator.state import (
     _ADMISSION,
     _ARRIVAL,
     _AUTOSCALE,
+    _BATCH,
     _DEADLINE,
     _HEARTBEAT,
     _HOLD,
@@ -87,16 +88,18 @@ __all__ = [
 ]
 
 
-class Simulator(AdmissionFlow):
+class Simulator(BatchFlow):
     """One run: the event loop over the fleet (replicas.py), the requests' lives (lifecycle.py),
-    admission's glue (admission_flow.py) and the ledger's accounting (accounting.py), on the state
-    and clock of state.py; `run` returns the `SimResult` (results.py)."""
+    admission's glue (admission_flow.py), a Batch API job's runner (batch.py) and the ledger's
+    accounting (accounting.py), on the state and clock of state.py; `run` returns the
+    `SimResult` (results.py)."""
 
     def run(self) -> SimResult:
         started = time.perf_counter()
         for index, pool in enumerate(self.fleet.pools):
             for _ in range(pool.replicas):
                 self._serve(self._new_worker(pool, index, 0.0), 0.0)
+        self._setup_batch()
         self._pull_task()
         self._push(self.fleet.heartbeat_s, _HEARTBEAT, None)
         self._push(0.0, _AUTOSCALE, None)
@@ -176,6 +179,8 @@ class Simulator(AdmissionFlow):
                 self._held_plan(at)
             elif kind == _HOLD:
                 self._hold_expired(obj, at)
+            elif kind == _BATCH:
+                self._batch_tick(at)
         return events
 
     def _heartbeat(self, now: float) -> None:

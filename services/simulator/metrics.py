@@ -201,6 +201,12 @@ class SimResult(msgspec.Struct, kw_only=True):
     autoscaler: str = "ripple"
     autoscale_plans: list[PlanRecord] = msgspec.field(default_factory=list)
     held_requests: int = 0
+    # Per service class (interactive; batch with a Batch API job, simulator/batch.py): requests,
+    # SLO attainment, TTFT p99, tasks succeeded, the ledger's spend and cost per successful task.
+    by_class: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    # The Batch API job's outcome (None without one): lines completed, failed and expired, how
+    # long it took, whether within its window, the release policy's decisions by reason.
+    batch: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.router.policy import RouterConfig, RouteRequest
+from services.simulator.metrics import LatencySketch
 from services.simulator.workload import Step, Task
 
 if TYPE_CHECKING:
+    from services.simulator.batch import BatchJob
     from services.simulator.worker import Seq, SimWorker
 
 Progress = Callable[[int, int | None], None]
@@ -50,6 +52,9 @@ class SimOptions:
     router_config: RouterConfig = field(default_factory=RouterConfig)
     # The autoscaler the fleet's autoscaled pools follow (simulator/autoscaling.py).
     autoscaler: str = "ripple"
+    # A Batch API job run beside the workload (simulator/batch.py), released by the mesh's own
+    # policy (services/batch/policy.py); None: none.
+    batch: BatchJob | None = None
 
 
 class _TaskRun:
@@ -130,3 +135,19 @@ class _TenantFigures:
         self.admitted = 0
         self.admitted_tokens = 0
         self.slo_met = 0
+
+
+class ClassFigures:
+    """One service class's figures (interactive, batch): requests issued and meeting their SLO,
+    their first-token latencies, tasks succeeded, and the ledger's spend attributed to them."""
+
+    __slots__ = ("attributed_usd", "completed", "requests", "slo_met", "succeeded", "tasks", "ttft")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.completed = 0
+        self.slo_met = 0
+        self.tasks = 0
+        self.succeeded = 0
+        self.attributed_usd = 0.0
+        self.ttft = LatencySketch()

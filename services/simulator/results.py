@@ -93,11 +93,13 @@ def result_of(sim: SimState, wall_s: float) -> SimResult:
         autoscaler=sim.autoscaler.name,
         autoscale_plans=sim.plans,
         held_requests=sim.held_requests,
+        by_class=sim.class_summary(),
+        batch=sim.batch_summary(),
     )
 
 
 def _tenant_figures(sim: SimState) -> dict[str, dict[str, Any]]:
-    tenants = sim.workload.tenants
+    tenants = sim.tenants
     class_tokens: dict[str, int] = {}
     class_weight: dict[str, float] = {}
     for name, figures in sim.by_tenant.items():

@@ -21,7 +21,14 @@ from services.simulator.autoscaling import TrafficWindow, parse_autoscaler
 from services.simulator.fleet import FleetSpec, PoolSpec
 from services.simulator.metrics import FleetSample, LatencySketch, PlanRecord
 from services.simulator.policies import FleetPrefixView, make_router
-from services.simulator.records import Progress, RequestLog, SimOptions, _RequestRun, _TenantFigures
+from services.simulator.records import (
+    ClassFigures,
+    Progress,
+    RequestLog,
+    SimOptions,
+    _RequestRun,
+    _TenantFigures,
+)
 from services.simulator.worker import SimWorker
 from services.simulator.workload import Task, Workload
 
@@ -39,7 +46,8 @@ from services.simulator.workload import Task, Workload
     _ADMISSION,
     _PLAN,
     _HOLD,
-) = range(12)
+    _BATCH,
+) = range(13)
 
 
 class SimState:
@@ -86,6 +94,8 @@ class SimState:
         # Services' state.
         self.admission = AdmissionState()
         self.admission_limits = self.admission_variant.limits
+        # The tenants admission knows: the workload's (and a Batch API job's, batch.py).
+        self.tenants = dict(workload.tenants)
         self._quotas = self.admission_variant.quotas({n: t.quota for n, t in workload.tenants.items()})
         self._admitting: dict[str, _RequestRun] = {}  # deferred requests (and the one being decided)
         self._deadlines: dict[str, _RequestRun] = {}  # requests in flight whose client has a deadline
@@ -94,6 +104,7 @@ class SimState:
         self.deferral = LatencySketch()
         self.by_tenant: dict[str, _TenantFigures] = {}
         self.slo_by_priority: dict[str, list[int]] = {}  # priority -> [met, issued]
+        self.by_class: dict[str, ClassFigures] = {}  # service class (Task.service_class) -> figures
         # The router learns from admission's config whether it is the only shedding (as the
         # router service does from the mesh config); the run records the options' config.
         self.router_state = RouterState(
@@ -174,6 +185,14 @@ class SimState:
 
     def _work_left(self) -> bool:
         return self._next_task is not None or self.active_tasks > 0
+
+    def class_summary(self) -> dict[str, dict[str, Any]]:
+        """Per service class figures (batch.py)."""
+        return {}
+
+    def batch_summary(self) -> dict[str, Any] | None:
+        """The Batch API job's outcome (batch.py); None without one."""
+        return None
 
 
 def _mesh_config() -> MeshConfig:

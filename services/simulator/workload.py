@@ -97,6 +97,8 @@ class Step:
 
 
 class Task(ABC):
+    # The mesh's service class (schemas.events.ServiceClass): Batch API lines are "batch".
+    service_class: ClassVar[str] = "interactive"
     task_id: str
     tenant: str
     priority: PriorityClass
@@ -694,6 +696,12 @@ class AgenticWorkload(Workload):
     burst_factor: float = 1.0
     burst_s: float = 0.0
     burst_every_s: float = 0.0
+    # A daily shape (off by default: `daily_amplitude` 0): the arrival rate in each of the day's
+    # 24 hours is `rate_per_s` x (1 + `daily_amplitude` x cos(2 pi (hour's middle - `peak_s`) /
+    # `day_s`)), so `rate_per_s` is the day's mean and peak / trough = (1 + a) / (1 - a).
+    daily_amplitude: float = 0.0
+    day_s: float = 86_400.0
+    peak_s: float = 14 * 3600.0  # the curve's peak, seconds into the day (14:00)
     seed: int = 0
     block_size: int = 16
     model: str = "llama-3.1-8b"
@@ -725,6 +733,10 @@ class AgenticWorkload(Workload):
             raise ValueError("burst_factor must be > 0 and burst_s >= 0")
         if self.burst_s > 0 and not self.burst_every_s >= self.burst_s:
             raise ValueError("bursts need burst_every_s >= burst_s > 0")
+        if not 0.0 <= self.daily_amplitude < 1.0 or self.day_s <= 0:
+            raise ValueError("daily_amplitude must be in [0, 1) and day_s > 0")
+        if self.daily_amplitude > 0 and self.burst_s > 0 and self.burst_factor != 1.0:
+            raise ValueError("a daily shape and bursts do not combine")
         self.tenants = {t.name: Tenant(t.name, t.priority, t.quota) for t in self.tenants_spec}
 
     def _size(self, rng: random.Random, mean: float) -> int:
@@ -750,16 +762,22 @@ class AgenticWorkload(Workload):
                 chains.append(chain)
             contexts.append(chains)
         at = 0.0
-        bursty = self.burst_s > 0 and self.burst_factor != 1.0
+        shaped = (self.burst_s > 0 and self.burst_factor != 1.0) or self.daily_amplitude > 0
         for i in range(self.workflows):
-            if bursty:
+            if shaped:
                 at = self._next_arrival(arrivals, at)
             else:
                 at += arrivals.expovariate(self.rate_per_s)
             yield (at, self._builder(i, shares, systems, contexts))
 
     def _rate_until(self, t: float) -> tuple[float, float]:
-        """The arrival rate in force at `t` (bursts on) and when it next changes."""
+        """The arrival rate in force at `t` (bursts or the daily shape on) and when it next changes."""
+        if self.daily_amplitude > 0:
+            hour = self.day_s / 24.0
+            n = math.floor(t / hour)
+            middle = (n + 0.5) * hour
+            phase = 2.0 * math.pi * (middle - self.peak_s) / self.day_s
+            return self.rate_per_s * (1.0 + self.daily_amplitude * math.cos(phase)), (n + 1) * hour
         period, length = self.burst_every_s, self.burst_s
         n = math.floor(t / period)
         while True:
@@ -828,9 +846,15 @@ class AgenticWorkload(Workload):
             if self.burst_s > 0
             else {}
         )
+        daily = (
+            {"daily": {"amplitude": self.daily_amplitude, "day_s": self.day_s, "peak_s": self.peak_s}}
+            if self.daily_amplitude > 0
+            else {}
+        )
         return {
             **Workload.describe(self),
             **bursts,
+            **daily,
             "workflows": self.workflows,
             "rate_per_s": self.rate_per_s,
             "steps": [self.min_steps, self.max_steps],
@@ -987,6 +1011,9 @@ GENERATOR_OPTIONS: dict[str, Any] = {
     "burst_factor": float,
     "burst_s": float,
     "burst_every_s": float,
+    "daily_amplitude": float,
+    "day_s": float,
+    "peak_s": float,
     "seed": int,
     "block_size": int,
     "model": str,
