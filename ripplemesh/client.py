@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import nats
@@ -237,33 +237,43 @@ class MeshClient:
                 raise MeshError(event)
 
     async def complete(self, **request: object) -> Completion:
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        chunks = 0
-        async for event in self.events(**request):  # type: ignore[arg-type]
-            if isinstance(event, TokenChunk):
-                texts.append(event.text)
-                token_ids.extend(event.token_ids)
-                logprobs.extend(event.logprobs or ())
-                chunks += 1
-            elif isinstance(event, StreamFailed):
-                raise MeshError(event)
-            elif isinstance(event, StreamFinished):
-                text = "".join(texts)
-                content: str | None = text
-                calls: list[ParsedCall] = []
-                if request.get("tools") and request.get("tool_choice") != "none":
-                    content, calls = parse_tool_calls(text, f"call_{event.request_id[:24]}_")
-                return Completion(
-                    event.request_id,
-                    text,
-                    token_ids,
-                    event.finish_reason,
-                    event.usage,
-                    chunks,
-                    tool_calls=calls,
-                    content=content,
-                    logprobs=logprobs,
-                )
-        raise RuntimeError("the token stream ended without a final event")
+        events = [event async for event in self.events(**request)]  # type: ignore[arg-type]
+        return completion_of(
+            events, tool_calls=bool(request.get("tools")) and request.get("tool_choice") != "none"
+        )
+
+
+def completion_of(events: Iterable[TokenEvent], *, tool_calls: bool = False) -> Completion:
+    """A request's whole answer from its token stream's events in order (as streamed, or as
+    read back from the TOKENS stream); MeshError for a failed stream, RuntimeError for one
+    without its final event. `tool_calls`: read tool calls out of the text."""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    chunks = 0
+    for event in events:
+        if isinstance(event, TokenChunk):
+            texts.append(event.text)
+            token_ids.extend(event.token_ids)
+            logprobs.extend(event.logprobs or ())
+            chunks += 1
+        elif isinstance(event, StreamFailed):
+            raise MeshError(event)
+        elif isinstance(event, StreamFinished):
+            text = "".join(texts)
+            content: str | None = text
+            calls: list[ParsedCall] = []
+            if tool_calls:
+                content, calls = parse_tool_calls(text, f"call_{event.request_id[:24]}_")
+            return Completion(
+                event.request_id,
+                text,
+                token_ids,
+                event.finish_reason,
+                event.usage,
+                chunks,
+                tool_calls=calls,
+                content=content,
+                logprobs=logprobs,
+            )
+    raise RuntimeError("the token stream ended without a final event")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import signal
 import sqlite3
 import time
 from collections import Counter
@@ -189,15 +190,35 @@ def test_a_cancelled_batch_stops(api: OpenAI) -> None:
         api.batches.cancel(finished.id)
 
 
-def test_a_batch_resumes_after_its_runner_restarts_and_no_line_runs_twice(mesh: Mesh, api: OpenAI) -> None:
+def _in_flight(health: dict[str, object]) -> int:
+    found = [v for k, v in health.items() if k == "lines_in_flight"]
+    found += [_in_flight(v) for v in health.values() if isinstance(v, dict)]
+    return max((int(v) for v in found if isinstance(v, int)), default=0)
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_batch_resumes_after_its_runner_restarts_and_no_line_runs_twice(
+    mesh: Mesh, api: OpenAI, how: str
+) -> None:
+    # Stopped: the lines in flight finish first. Killed (-9): they go on in the mesh, and the
+    # new runner reads their answers back instead of running them again.
     total = 60
     batch = _submit(api, _jsonl([_chat_line(f"r-{i}", f"Resume me {i}.", 48) for i in range(1, total + 1)]))
 
     def some_done() -> bool:
         counts = api.batches.retrieve(batch.id).request_counts
-        return counts is not None and counts.completed >= 3
+        if counts is None or counts.completed < 3:
+            return False
+        # Killed, it dies with lines in the mesh: what it must not run twice.
+        health = httpx.get(f"{mesh.child('batch').url}/healthz", timeout=5).json()
+        return how == "stopped" or _in_flight(health) > 0
 
-    wait_until(some_done, timeout_s=60, interval_s=0.1)
+    wait_until(some_done, timeout_s=60, interval_s=0.02)
+    if how == "killed":
+        process = mesh.child("batch").process
+        assert process is not None
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
     mesh.restart_child("batch")
     before = api.batches.retrieve(batch.id)
     assert before.status == "in_progress" and before.request_counts is not None

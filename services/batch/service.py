@@ -18,7 +18,11 @@ Every `TICK_S` it reads the active batches (BATCHES), and for each:
 - once every line is recorded: ``finalizing``, the output and error files written, ``completed``.
 
 On shutdown it sends nothing more and lets the lines in flight finish (up to `STOP_GRACE_S`),
-so a restart runs no line twice; a line still running then is cancelled and runs again.
+so a restart runs no line twice; a line still running then is cancelled and runs again. Killed
+outright, it leaves lines running in the mesh: each line's request id is put in BATCH_SENT
+before it is submitted, and a restarted runner reads those lines' answers back from the TOKENS
+stream (waiting while one is still streaming) instead of running them again; only a line whose
+stream ended without an answer, or fell silent, is submitted again.
 """
 
 from __future__ import annotations
@@ -37,9 +41,16 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge
 from starlette.routing import BaseRoute
 
-from ripplemesh.client import MeshClient, MeshError, MeshUnavailable
-from schemas.events import AdmissionDecision, RequestRejected, WorkerState, decode_event
-from schemas.subjects import WORKERS, event_subject
+from ripplemesh.client import Completion, MeshClient, MeshError, MeshUnavailable, completion_of
+from schemas.events import (
+    AdmissionDecision,
+    RequestRejected,
+    StreamFailed,
+    StreamFinished,
+    WorkerState,
+    decode_event,
+)
+from schemas.subjects import WORKERS, event_subject, tokens_subject
 from services.batch import policy
 from services.batch.records import (
     ACTIVE,
@@ -64,7 +75,7 @@ from services.ingress.fleet import FleetView
 from services.ingress.openai_api import ResponseShape
 from services.mesh.heartbeat_watch import HeartbeatWatch
 from services.mesh.runtime import Runtime
-from services.mesh.token_stream import StreamTimeout
+from services.mesh.token_stream import StreamTimeout, stored_events
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("ripplemesh.batch")
@@ -262,6 +273,7 @@ class BatchService:
             )
             return
         job.done = await self._store.lines(record.id)
+        sent = await self._store.sent(record.id)
         malformed: list[BatchLineError] = []
         for number, raw in lines:
             try:
@@ -285,7 +297,15 @@ class BatchService:
                     )
                     await self._record(job, result, "malformed")
                 continue
-            if number not in job.done:
+            if number in job.done:
+                continue
+            if number in sent and record.status == "in_progress":
+                # In the mesh when a runner before this one died: its answer, not a new run.
+                task = self._rt.spawn(
+                    self._run_line(job, request, sent[number]), f"batch-line-{record.id}-{number}"
+                )
+                job.in_flight[number] = task
+            else:
                 job.pending.append(request)
         if record.status == "validating":
             now = int(time.time())
@@ -305,6 +325,7 @@ class BatchService:
                 "lines": job.total,
                 "done": len(job.done),
                 "pending": len(job.pending),
+                "answers_to_read_back": len(job.in_flight),
             },
         )
 
@@ -364,17 +385,51 @@ class BatchService:
 
     # ------------------------------------------------------------ one line
 
-    async def _run_line(self, job: Job, line: LineRequest) -> None:
+    async def _sent_answer(self, tenant: str, request_id: str, tool_calls: bool) -> Completion | None:
+        """A line submitted before a restart: its answer read back from the TOKENS stream once
+        its final event is there (waiting while tokens still come), or None: failed, or no new
+        token for the stream idle timeout."""
+        subject = tokens_subject(tenant, request_id)
+        idle_s = self._rt.config.stream_idle_timeout_s
+        quiet_since, seen = time.monotonic(), -1
+        while not self.stopping:
+            try:
+                events = await stored_events(self._rt.bus.nc, subject)
+            except TimeoutError:
+                events = []
+            by_seq = {event.seq: event for event in events}
+            ordered = [by_seq[seq] for seq in sorted(by_seq)]
+            if any(isinstance(e, StreamFailed) for e in ordered):
+                return None
+            if any(isinstance(e, StreamFinished) for e in ordered):
+                return completion_of(ordered, tool_calls=tool_calls)
+            if len(ordered) != seen:
+                quiet_since, seen = time.monotonic(), len(ordered)
+            elif time.monotonic() - quiet_since > idle_s:
+                return None
+            await asyncio.sleep(0.5)
+        return None
+
+    async def _run_line(self, job: Job, line: LineRequest, sent_as: str | None = None) -> None:
         record = job.record
+        tool_calls = bool(line.tools) and line.tool_choice != "none"
+        completion: Completion | None = None
+        if sent_as is not None:
+            with contextlib.suppress(MeshError, RuntimeError):
+                completion = await self._sent_answer(record.tenant, sent_as, tool_calls)
         request_id = f"{record.id}-{line.line}-{secrets.token_hex(3)}"
+        if sent_as is not None and completion is not None:
+            request_id = sent_as
         self.own_requests.add(request_id)
         client = MeshClient("", record.tenant, model=line.model, nc=self._rt.bus.nc)
         result: LineResult | None = None
         try:
+            if completion is None:
+                await self._store.mark_sent(record.id, line.line, request_id)
             with tracer.start_as_current_span(
                 "batch.line", attributes={"ripple.batch_id": record.id, "ripple.batch_line": line.line}
             ):
-                completion = await client.complete(
+                completion = completion or await client.complete(
                     request_id=request_id,
                     model=line.model,
                     prompt=line.prompt,
@@ -393,7 +448,7 @@ class BatchService:
                 line.api,
                 request_id,
                 line.model,
-                tool_calls=bool(line.tools) and line.tool_choice != "none",
+                tool_calls=tool_calls,
                 top_logprobs=line.logprobs,
             )
             body = shape.response(

@@ -7,7 +7,10 @@ reaches, on the mesh's own replicas (``--nats-replicas``) and file storage.
 - KV ``BATCHES``: each batch's `BatchRecord`, changed only by compare-and-set (`modify`), so an
   ingress replica's cancel and the runner's progress never overwrite each other;
 - KV ``BATCH_LINES``: one `LineResult` per finished line, key ``<batch_id>.<line>``, written
-  with create-if-absent: a line is recorded once, and a resumed batch skips what is there.
+  with create-if-absent: a line is recorded once, and a resumed batch skips what is there;
+- KV ``BATCH_SENT``: the request id each line was last submitted under, key
+  ``<batch_id>.<line>``: a runner killed with lines in the mesh reads their answers back from
+  the TOKENS stream when it is restarted instead of running them again.
 
 Everything is kept 30 days (the buckets' TTL), well past the 24 h completion window.
 """
@@ -49,6 +52,11 @@ BATCH_LINES = KvBucketSpec(
     bucket="BATCH_LINES",
     ttl_s=RETENTION_S,
     description="Each finished batch line's result (LineResult), key <batch_id>.<line>, written once.",
+)
+BATCH_SENT = KvBucketSpec(
+    bucket="BATCH_SENT",
+    ttl_s=RETENTION_S,
+    description="The request id each batch line was last submitted under, key <batch_id>.<line>.",
 )
 CAS_ATTEMPTS = 16
 
@@ -176,27 +184,40 @@ class BatchStore:
 
     async def lines(self, batch_id: str) -> dict[int, LineResult]:
         """The batch's finished lines, by line number."""
-        kv = await self._kv(BATCH_LINES)
+        found = await self._by_line(BATCH_LINES, batch_id)
+        return {line: msgspec.json.decode(value, type=LineResult) for line, value in found.items()}
+
+    async def mark_sent(self, batch_id: str, line: int, request_id: str) -> None:
+        """The request id a line is being submitted under, before it is."""
+        await (await self._kv(BATCH_SENT)).put(f"{batch_id}.{line}", request_id.encode())
+
+    async def sent(self, batch_id: str) -> dict[int, str]:
+        """Each line's request id as last submitted (finished lines among them)."""
+        return {line: value.decode() for line, value in (await self._by_line(BATCH_SENT, batch_id)).items()}
+
+    async def _by_line(self, spec: KvBucketSpec, batch_id: str) -> dict[int, bytes]:
+        """A bucket's values for one batch's lines, by line number."""
+        kv = await self._kv(spec)
         try:
             # Every key, filtered here: nats-py's own key filter finds nothing on this server.
             prefix = f"{batch_id}."
             keys = [key for key in await kv.keys() if key.startswith(prefix)]
         except NoKeysError:
             return {}
-        results: dict[int, LineResult] = {}
+        values: dict[int, bytes] = {}
 
         async def read(key: str) -> None:
             try:
                 entry = await kv.get(key)
             except KeyNotFoundError:
                 return
-            if entry.value:
-                result = msgspec.json.decode(entry.value, type=LineResult)
-                results[result.line] = result
+            line = key.removeprefix(prefix)
+            if entry.value and line.isdigit():
+                values[int(line)] = entry.value
 
         for start in range(0, len(keys), 256):
             await asyncio.gather(*(read(key) for key in keys[start : start + 256]))
-        return results
+        return values
 
 
 def _valid_key(key: str) -> bool:
