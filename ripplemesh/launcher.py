@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,8 +129,11 @@ class Mesh:
     autoscale_min: int = 0
     autoscale_max: int = 4
     control: Any = None
+    # The models whose workers it runs, `prefill` and `decode` of each, each model its own
+    # pools (the router never places across models); empty: the config's first model.
+    models: tuple[str, ...] = ()
     _lock: threading.RLock = field(default_factory=threading.RLock)
-    _next_worker: dict[str, int] = field(default_factory=dict)
+    _next_worker: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def _child(self, name: str, service: str, *extra: str, http_port: int | None = None) -> Child:
         port = http_port or self._unassigned_port()
@@ -229,21 +233,38 @@ class Mesh:
             engine += ["--model-path", self.model_path]
         return engine
 
-    def _worker(self, role: str, *extra: str, gpu: str | None = None) -> Child:
-        index = self._next_worker.get(role, 0)
-        self._next_worker[role] = index + 1
-        name = f"{role}-{index}"
-        child = self._child(name, role, "--worker-id", name, *self._engine_args(gpu), *extra)
-        child.pool = f"{role}-{gpu or self.gpu}"
+    def served_models(self) -> list[str]:
+        """The models it runs workers of, the first as the config's default."""
+        if self.models:
+            return list(self.models)
+        return [load_config(self.config_path).models[0].name]
+
+    def _model_tag(self, model: str) -> str:
+        """What names a model's workers and pools: nothing for the first model (worker names
+        stay `decode-0`), `-<model>` (subject-safe) for the others."""
+        if model == self.served_models()[0]:
+            return ""
+        return "-" + re.sub(r"[^A-Za-z0-9_-]", "_", model)
+
+    def _worker(self, role: str, *extra: str, gpu: str | None = None, model: str | None = None) -> Child:
+        model = model or self.served_models()[0]
+        tag = self._model_tag(model)
+        index = self._next_worker.get((role, tag), 0)
+        self._next_worker[(role, tag)] = index + 1
+        name, pool = f"{role}{tag}-{index}", f"{role}-{gpu or self.gpu}{tag}"
+        args = ("--worker-id", name, *self._engine_args(gpu), "--model", model, "--pool", pool)
+        child = self._child(name, role, *args, *extra)
+        child.pool = pool
         return child
 
     def plan(self) -> list[Child]:
         children = self.children = []  # filled as planned, so that no two children share a port
         self._next_worker = {}
-        for _ in range(self.decode):
-            children.append(self._worker("decode"))
-        for _ in range(self.prefill):
-            children.append(self._worker("prefill"))
+        for model in self.served_models():
+            for _ in range(self.decode):
+                children.append(self._worker("decode", model=model))
+            for _ in range(self.prefill):
+                children.append(self._worker("prefill", model=model))
         for name in SERVICES_IN_ORDER:
             if name == "ingress" and self.ingress > 1:
                 for i in range(self.ingress):
@@ -368,8 +389,16 @@ class Mesh:
 
     def pools(self) -> dict[str, str]:
         """The worker pools this supervisor runs, and each one's role."""
+        return {pool: role for pool, (role, _) in self._pool_specs().items()}
+
+    def _pool_specs(self) -> dict[str, tuple[str, str]]:
+        """Each worker pool: its role and its model."""
         roles = ["decode", "prefill"] if self.prefill > 0 else ["decode"]
-        return {f"{role}-{self.gpu}": role for role in roles}
+        return {
+            f"{role}-{self.gpu}{self._model_tag(model)}": (role, model)
+            for model in self.served_models()
+            for role in roles
+        }
 
     def add_workers(
         self, pool: str, count: int, decision_id: str = "", traceparent: str | None = None
@@ -377,9 +406,10 @@ class Mesh:
         """Workers for `pool`, started at the next `tend`; a pool it does not run, or one past
         its maximum, is refused (ValueError)."""
         with self._lock:
-            role = self.pools().get(pool)
-            if role is None:
+            spec = self._pool_specs().get(pool)
+            if spec is None:
                 raise ValueError(f"no pool {pool!r} here; this mesh runs {', '.join(self.pools())}")
+            role, model = spec
             if len(self._members(pool)) + count > self.autoscale_max:
                 raise ValueError(f"pool {pool} would exceed its maximum of {self.autoscale_max} workers")
             extra = ["--scaling-decision", decision_id] if decision_id else []
@@ -390,7 +420,7 @@ class Mesh:
                 (i for i, c in enumerate(self.children) if c.pool is None), len(self.children)
             )
             for _ in range(count):
-                child = self._worker(role, *extra)
+                child = self._worker(role, *extra, model=model)
                 child.state = "pending"
                 self.children.insert(first_service, child)  # stopped after the services, as at start
                 added.append(child.name)
@@ -417,7 +447,6 @@ class Mesh:
     def fleet(self) -> list[PoolMembers]:
         with self._lock:
             startup = SIM_STARTUP_S if self.engine == "sim" else REAL_STARTUP_S
-            model = load_config(self.config_path).models[0].name
             return [
                 PoolMembers(
                     pool=pool,
@@ -428,7 +457,7 @@ class Mesh:
                     max_replicas=self.autoscale_max,
                     startup_s=startup,
                 )
-                for pool in self.pools()
+                for pool, (_, model) in self._pool_specs().items()
             ]
 
     def status(self) -> dict[str, Any]:

@@ -464,6 +464,9 @@ class PrefillCompleted(Event, frozen=True, kw_only=True, tag="request.prefill_co
     prompt_tokens: NonNegativeInt
     cached_tokens: NonNegativeInt
     ttft_s: NonNegativeFloat
+    # The model that served it (each model has its own pools), for the ledger's cost per
+    # model; None from older producers.
+    model: str | None = None
 
 
 class DecodeCompleted(Event, frozen=True, kw_only=True, tag="request.decode_completed.v1"):
@@ -486,6 +489,8 @@ class DecodeCompleted(Event, frozen=True, kw_only=True, tag="request.decode_comp
     priority: PriorityClass | None = None
     # Interactive or a Batch API line, for the ledger's cost by service class.
     service_class: ServiceClass = "interactive"
+    # The model that served it, for the ledger's cost per model; None from older producers.
+    model: str | None = None
 
 
 class RequestFailed(Event, frozen=True, kw_only=True, tag="request.failed.v1"):

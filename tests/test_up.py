@@ -13,11 +13,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
 from openai import OpenAI
 
 from services.mesh.embedded_nats import free_port
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -264,3 +268,50 @@ def test_up_refuses_a_deferral_queue_the_admission_consumer_cannot_hold(tmp_path
     assert "admission.max_deferred = 20000 does not fit the admission consumer" in done.stderr
     assert "16384" in done.stderr
     assert not (tmp_path / "d").exists()  # nothing started, nothing written
+
+
+def test_two_models_on_one_mesh_each_served_by_its_own_workers_and_priced_apart(tmp_path: Path) -> None:
+    from services.mesh.config import DEFAULT_CONFIG
+
+    config = tmp_path / "ripplemesh.toml"
+    config.write_text(
+        DEFAULT_CONFIG.read_text()
+        + '\n[[models]]\nname = "qwen-2.5-7b"\nshape = "llama-3-8b"\nmax_context_tokens = 4096\n'
+    )
+    args = ("--config", str(config), "--model", "llama-3-8b", "--model", "qwen-2.5-7b", "--prefill", "0")
+    with running_up(tmp_path, *args, "--decode", "1") as up:
+        client = up.client()
+        listed = {m.id for m in client.models.list().data}
+        assert {"llama-3-8b", "qwen-2.5-7b"} <= listed
+        served: dict[str, set[str]] = {"llama-3-8b": set(), "qwen-2.5-7b": set()}
+        ids: dict[str, list[str]] = {"llama-3-8b": [], "qwen-2.5-7b": []}
+        for i in range(6):
+            model = ("llama-3-8b", "qwen-2.5-7b")[i % 2]
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"which model are you? {i}"}], max_tokens=4
+            )
+            assert reply.model == model and reply.choices[0].message.content
+            ids[model].append(reply.id.removeprefix("chatcmpl-"))
+        children = json.loads((up.data_dir / "supervisor.json").read_text())["children"]
+        ledger_url = dict(children)["ledger"]["url"]
+
+        def ledger_models() -> dict[str, Any] | None:
+            got = {
+                m["model"]: m for m in httpx.get(f"{ledger_url}/v1/ledger/models", timeout=5).json()["models"]
+            }
+            done = all(got.get(m, {}).get("completed", 0) >= 3 for m in served)
+            return got if done else None
+
+        models = wait_until(ledger_models, timeout_s=30, interval_s=0.5)
+        for model, request_ids in ids.items():
+            for request_id in request_ids:
+                row = httpx.get(f"{ledger_url}/v1/ledger/requests/{request_id}", timeout=5).json()
+                served[model].add(row["decode_worker"])
+                assert row["model"] == model
+            assert models[model]["spend_usd"] > 0
+        # The router never placed a request on the other model's worker.
+        assert served == {"llama-3-8b": {"decode-0"}, "qwen-2.5-7b": {"decode-qwen-2_5-7b-0"}}
+        with pytest.raises(openai.NotFoundError, match="mistral"):
+            client.chat.completions.create(
+                model="mistral", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )

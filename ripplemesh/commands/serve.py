@@ -74,6 +74,7 @@ def _service(name: str) -> Any:
 @click.option("--model-path", default=None, help="hf/vllm: a local Hugging Face model directory.")
 @click.option("--device", default=None, help="hf: torch device (default: cuda if present, else cpu).")
 @click.option("--model", default=None, help="Model to serve (default: the config's first).")
+@click.option("--pool", default=None, help="Worker: its pool's name (default: <role>-<gpu>).")
 @click.option("--time-scale", type=float, default=1.0, help="Sim engine: 1 real time, 0 no compute time.")
 @click.option("--database-url", default=None, help="Ledger database (default SQLite in the data dir).")
 @click.option(
@@ -105,6 +106,7 @@ def run(
     model_path: str | None,
     device: str | None,
     model: str | None,
+    pool: str | None,
     time_scale: float,
     database_url: str | None,
     actuator: str | None,
@@ -128,6 +130,7 @@ def run(
         "engine": engine,
         "gpu": gpu,
         "model": model,
+        "pool": pool,
         "model_path": model_path,
         "device": device,
         "time_scale": time_scale,
@@ -210,6 +213,13 @@ def run(
 )
 @click.option("--min-workers", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--max-workers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    help="A model of the config to run workers of (--prefill and --decode of each, its own pools); "
+    "repeat for several. Default: the config's first.",
+)
 def up(
     engine: str,
     prefill: int,
@@ -231,6 +241,7 @@ def up(
     autoscale: bool,
     min_workers: int,
     max_workers: int,
+    models: tuple[str, ...],
 ) -> None:
     """Start NATS (embedded unless --nats-url) and every service; Ctrl-C stops them all. A
     service that exits on its own is restarted (`ripplemesh status` shows the restarts)."""
@@ -250,6 +261,10 @@ def up(
         auth = auth_for_config(config) if nats_url is None and not no_nats_auth else None
     except (ConfigError, CredentialsError) as exc:
         raise click.ClickException(str(exc)) from exc
+    unknown = [m for m in models if config.model(m) is None]
+    if unknown:
+        known = ", ".join(m.name for m in config.models)
+        raise click.UsageError(f"--model {', '.join(unknown)}: not in the config (its models: {known})")
     data = (data_dir or default_data_dir()).resolve()
     mesh = Mesh(
         data_dir=data,
@@ -273,6 +288,7 @@ def up(
         autoscale=autoscale,
         autoscale_min=min_workers,
         autoscale_max=max_workers,
+        models=tuple(dict.fromkeys(models)),
     )
     stop_requested = False
 

@@ -441,6 +441,7 @@ class EngineHost:
                 prompt_tokens=len(request.prompt_tokens),
                 cached_tokens=result.cached_tokens,
                 ttft_s=max(0.0, now - request.submitted_at),
+                model=request.model,
             ),
         )
         self.lifecycle.prefill_reported(request.request_id)

@@ -97,6 +97,8 @@ class RequestDelta:
     workflow_steps: int | None = None
     # 'batch' for a Batch API line (from its decode's report); None: interactive. Fills a gap.
     service_class: str | None = None
+    # The model that served it (from its prefill's or decode's report). Fills a gap.
+    model: str | None = None
     # Whether a prefill (decode) report is among the events: its columns then replace the row's.
     has_prefill: bool = False
     has_decode: bool = False
@@ -244,6 +246,7 @@ def fold(events: Iterable[LifecycleEvent], prices: Mapping[str, float], kv_usd_p
             seconds = event.gpu_seconds if _is_duration(event.gpu_seconds) else 0.0
             kv_cost = 0.0
             kv_bytes: int | None = None
+            delta.model = delta.model or event.model
             if isinstance(event, PrefillCompleted):
                 delta.has_prefill = True
                 delta.prefill_worker = event.worker_id

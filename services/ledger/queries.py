@@ -25,8 +25,8 @@ from services.ledger.schema import STATUSES, events, idle_spend, ledger_errors, 
 from services.ledger.summaries import (
     SUMS,
     FiguresByKey,
-    class_summaries,
     facts_of,
+    group_summaries,
     tenant_summaries,
     totals_summary,
     workflow_summary,
@@ -89,14 +89,26 @@ async def by_class(conn: AsyncConnection) -> list[dict[str, Any]]:
     """Per service class (interactive, batch): requests by status, spend, GPU-seconds, tokens
     and the cost per completed request."""
     service_class = sa.func.coalesce(_rc.service_class, _literal("interactive"))
+    return await _grouped(conn, service_class, "service_class", first="interactive")
+
+
+async def by_model(conn: AsyncConnection) -> list[dict[str, Any]]:
+    """The same per model (the model that served each request; "unknown" for a request no
+    worker reported on, and for rows from before the ledger recorded it)."""
+    return await _grouped(conn, sa.func.coalesce(_rc.model, _literal("unknown")), "model")
+
+
+async def _grouped(
+    conn: AsyncConnection, key: Any, name: str, first: str | None = None
+) -> list[dict[str, Any]]:
     query = sa.select(
-        service_class.label("service_class"),
+        key.label(name),
         sa.func.count().label("requests"),
         *(sa.func.count().filter(_rc.status == s).label(s) for s in STATUSES),
         *_sums(),
-    ).group_by(service_class)
+    ).group_by(key)
     rows = (await conn.execute(query)).all()
-    return class_summaries((row._mapping for row in rows), STATUSES)
+    return group_summaries((row._mapping for row in rows), STATUSES, name, first=first)
 
 
 # ---------------------------------------------------------------- tasks

@@ -178,6 +178,14 @@ MIGRATIONS: list[Migration] = [
             "ALTER TABLE request_costs ADD COLUMN service_class TEXT",
         ],
     ),
+    (
+        4,
+        [
+            # The model that served a request (from its prefill's or decode's report; NULL for
+            # rows before it), reported apart (queries.by_model).
+            "ALTER TABLE request_costs ADD COLUMN model TEXT",
+        ],
+    ),
 ]
 
 SCHEMA_MIGRATIONS_DDL = (
@@ -247,6 +255,7 @@ request_costs = sa.Table(
     sa.Column("workflow_steps", sa.Integer),
     # Migration 3.
     sa.Column("service_class", sa.Text),
+    sa.Column("model", sa.Text),
 )
 
 ledger_errors = sa.Table(

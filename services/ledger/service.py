@@ -289,6 +289,7 @@ class LedgerService:
             Route("/v1/ledger/requests/{request_id}", self._request, methods=["GET"]),
             Route("/v1/ledger/tenants", self._tenants, methods=["GET"]),
             Route("/v1/ledger/classes", self._classes, methods=["GET"]),
+            Route("/v1/ledger/models", self._models, methods=["GET"]),
             Route("/v1/ledger/report", self._report, methods=["GET"]),
             Route("/v1/ledger/workflows/{workflow_id}", self._workflow, methods=["GET"]),
         ]
@@ -466,6 +467,11 @@ class LedgerService:
         """Interactive requests and Batch API lines apart: their spend and cost per completion."""
         assert self.store is not None
         return JSONResponse({"classes": await self.store.by_class()})
+
+    async def _models(self, _: Request) -> JSONResponse:
+        """Each model's requests, spend and cost per completion."""
+        assert self.store is not None
+        return JSONResponse({"models": await self.store.by_model()})
 
     async def _report(self, request: Request) -> JSONResponse:
         """The figures of merit, for the fleet and by tenant, pool or workflow."""

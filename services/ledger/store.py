@@ -346,6 +346,11 @@ class LedgerStore:
         async with self.engine.connect() as conn:
             return await queries.by_class(conn)
 
+    async def by_model(self) -> list[dict[str, Any]]:
+        """Per model: requests, spend and cost per completed request."""
+        async with self.engine.connect() as conn:
+            return await queries.by_model(conn)
+
     async def errors(self, limit: int = 1000) -> list[dict[str, Any]]:
         """The most recent ledger errors, oldest first."""
         latest = sa.select(ledger_errors).order_by(ledger_errors.c.id.desc()).limit(limit).subquery()

@@ -109,14 +109,17 @@ def tenant_summaries(rows: Iterable[Mapping[Any, Any]], statuses: Sequence[str])
     return tenants
 
 
-def class_summaries(rows: Iterable[Mapping[Any, Any]], statuses: Sequence[str]) -> list[dict[str, Any]]:
-    """One dict per service class row (``service_class``, ``requests``, a count per status,
-    `SUMS` with the derived figures, and ``cost_per_completed_request_usd``: the class's whole
-    spend over its completed requests, None with none completed), interactive first."""
+def group_summaries(
+    rows: Iterable[Mapping[Any, Any]], statuses: Sequence[str], key: str, *, first: str | None = None
+) -> list[dict[str, Any]]:
+    """One dict per row of requests grouped by `key` (a service class, a model): the group,
+    ``requests``, a count per status, `SUMS` with the derived figures, and
+    ``cost_per_completed_request_usd`` (the group's whole spend over its completed requests,
+    None with none completed); the group named `first` first, then by name."""
     classes: list[dict[str, Any]] = []
     for row in rows:
         summary: dict[str, Any] = {
-            "service_class": row["service_class"],
+            key: row[key],
             "requests": int(row["requests"]),
             **{status: int(row[status]) for status in statuses},
             **with_derived(sums_of(row)),
@@ -124,7 +127,7 @@ def class_summaries(rows: Iterable[Mapping[Any, Any]], statuses: Sequence[str]) 
         completed = summary.get("completed", 0)
         summary["cost_per_completed_request_usd"] = summary["spend_usd"] / completed if completed else None
         classes.append(summary)
-    classes.sort(key=lambda c: (c["service_class"] != "interactive", c["service_class"]))
+    classes.sort(key=lambda c: (c[key] != first, c[key]))
     return classes
 
 

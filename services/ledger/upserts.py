@@ -137,6 +137,7 @@ def upsert_requests(dialect: str) -> Any:
         "workflow_step": sa.func.coalesce(_rc.workflow_step, excluded.workflow_step),
         "workflow_steps": sa.func.coalesce(_rc.workflow_steps, excluded.workflow_steps),
         "service_class": sa.func.coalesce(_rc.service_class, excluded.service_class),
+        "model": sa.func.coalesce(_rc.model, excluded.model),
     }
     updates.update({name: _rc[name] + excluded[name] for name in _REQUEST_ADDED})
     return stmt.on_conflict_do_update(index_elements=[_rc.request_id], set_=updates)

@@ -47,6 +47,7 @@ def decode_completed(
         deadline_at=request.deadline_at,
         priority=request.priority,
         service_class=request.service_class,
+        model=request.model,
     )
 
 
