@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -39,9 +40,23 @@ from services.mesh.embedded_nats import EmbeddedNats
 from services.simulator import FleetSpec, PoolSpec, run_simulation
 from services.simulator.core import RequestRecord
 from services.simulator.workload import load_workload
+from tests.conftest import replicas_for
 
 TENANT = "acme"
 MODEL = "llama-3-8b"
+
+
+@pytest.fixture
+async def bus(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Bus]:
+    """A NATS server of these tests' own: the requests they make up must not reach the services
+    of a mesh another test started on the shared one (its admission would serve them)."""
+    async with EmbeddedNats(tmp_path_factory.mktemp("nats")) as server:
+        connected = await Bus.connect(server.url, "tests")
+        await connected.provision()
+        yield connected
+        await connected.close()
+
+
 BLOCK = 16
 
 
@@ -350,9 +365,14 @@ async def test_a_durable_exporter_stopped_and_started_again_carries_its_requests
 
 
 async def test_as_the_subscribers_user_it_exports_without_the_prompts_or_says_what_it_needs(
-    bus: Bus, nats_server: EmbeddedNats, tmp_path: Path
+    nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
+    # On the shared server, which has the users: only lifecycle events are made up here.
     assert nats_server.auth is not None and nats_server.auth.subscribers is not None
+    bus = await Bus.connect(
+        nats_server.url, "tests", credentials=nats_server.auth.service, replicas=replicas_for(nats_server)
+    )
+    await bus.provision()
     own = await Bus.connect(nats_server.url, "subscriber", credentials=nats_server.auth.subscribers)
     try:
         denied = LifecycleExporter(f"test-export-{uuid.uuid4().hex[:8]}", durable=False, out_dir=tmp_path)
@@ -376,5 +396,6 @@ async def test_as_the_subscribers_user_it_exports_without_the_prompts_or_says_wh
             await exporter.stop()
     finally:
         await own.close()
+        await bus.close()
     [row] = pq.read_table(tmp_path).to_pylist()
     assert (row["prompt_tokens"], row["output_tokens"], row["block_hashes"]) == (300, 8, None)
