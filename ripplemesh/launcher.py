@@ -235,9 +235,9 @@ class Mesh:
 
     def served_models(self) -> list[str]:
         """The models it runs workers of, the first as the config's default."""
-        if self.models:
-            return list(self.models)
-        return [load_config(self.config_path).models[0].name]
+        if not self.models:  # read once: every worker's name and every plan asks
+            self.models = (load_config(self.config_path).models[0].name,)
+        return list(self.models)
 
     def _model_tag(self, model: str) -> str:
         """What names a model's workers and pools: nothing for the first model (worker names

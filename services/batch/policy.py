@@ -22,7 +22,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
+
+
+class Heartbeat(Protocol):
+    """What a decode worker's heartbeat says (`WorkerState`, or the router's view of one)."""
+
+    @property
+    def running(self) -> int: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def kv_blocks_used(self) -> int: ...
+    @property
+    def kv_blocks_total(self) -> int: ...
+    @property
+    def draining(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +48,13 @@ class WorkerLoad:
     queue_depth: int
     kv_used: float  # fraction of its KV blocks in use, 0-1
     draining: bool = False
+
+    @classmethod
+    def of(cls, state: Heartbeat) -> WorkerLoad:
+        used = state.kv_blocks_used / state.kv_blocks_total if state.kv_blocks_total else 0.0
+        return cls(
+            running=state.running, queue_depth=state.queue_depth, kv_used=used, draining=state.draining
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -354,15 +354,7 @@ class BatchService:
             key=lambda j: (j.record.created_at, j.record.id),
         )
         in_flight = sum(len(j.in_flight) for j in self.jobs.values())
-        workers = [
-            policy.WorkerLoad(
-                running=w.running,
-                queue_depth=w.queue_depth,
-                kv_used=w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0,
-                draining=w.draining,
-            )
-            for w in self._decode_workers(now)
-        ]
+        workers = [policy.WorkerLoad.of(w) for w in self._decode_workers(now)]
         state = policy.RunnerState(
             pending=sum(len(j.pending) for j in jobs),
             in_flight=in_flight,

@@ -176,12 +176,7 @@ class BatchFlow(AdmissionFlow):
             run.pending.clear()
             return
         workers = [
-            batch_policy.WorkerLoad(
-                running=w.running,
-                queue_depth=w.queue_depth,
-                kv_used=w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0,
-                draining=w.draining,
-            )
+            batch_policy.WorkerLoad.of(w)
             for w in self.router_state.workers.values()
             if w.role != "prefill" and w.model == self.workload.model and w.worker_id in self.serving
         ]

@@ -77,9 +77,8 @@ async def run(engine: VllmEngine, req: InferenceRequest) -> tuple[int, list[Deco
     return result.cached_tokens, steps
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def engine() -> AsyncIterator[VllmEngine]:
-    engine = VllmEngine(
+def vllm_engine(**extra: object) -> VllmEngine:
+    return VllmEngine(
         model=MODEL,
         model_path=MODEL_PATH,
         block_size=BLOCK,
@@ -87,7 +86,13 @@ async def engine() -> AsyncIterator[VllmEngine]:
         gpu_memory_utilization=GPU_MEMORY,
         ignore_eos=True,  # so a request streams exactly max_tokens tokens
         engine_kwargs={"enforce_eager": True},
+        **extra,  # type: ignore[arg-type]
     )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine() -> AsyncIterator[VllmEngine]:
+    engine = vllm_engine()
     await engine.start()
     yield engine
     await engine.stop()
@@ -220,16 +225,7 @@ async def test_vllm_serves_a_lora_adapter_beside_the_base_model(engine: VllmEngi
     peft.get_peft_model(base, config).save_pretrained(tmp_path / "lora")
     del base
     await engine.stop()  # one engine on the GPU at a time: the module's is started again below
-    lora = VllmEngine(
-        model=MODEL,
-        model_path=MODEL_PATH,
-        block_size=BLOCK,
-        max_context_tokens=MAX_CONTEXT,
-        gpu_memory_utilization=GPU_MEMORY,
-        ignore_eos=True,
-        engine_kwargs={"enforce_eager": True},
-        adapters={"test-lora": str(tmp_path / "lora")},
-    )
+    lora = vllm_engine(adapters={"test-lora": str(tmp_path / "lora")})
     await lora.start()
     try:
         prompt = tokens(11, 2 * BLOCK + 3)

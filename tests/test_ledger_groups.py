@@ -1,6 +1,6 @@
-"""The ledger's service classes (interactive, Batch API lines) on a real SQLite file and a real
-PostgreSQL: the class a decode reports is kept on its request, and reported apart, whatever the
-order its events come in."""
+"""The ledger's requests grouped on a real SQLite file and a real PostgreSQL: by service class
+(interactive, Batch API lines) and by model; what a report says is kept on its request, and
+each group reported apart, whatever the order its events come in."""
 
 from __future__ import annotations
 
@@ -102,3 +102,30 @@ async def test_a_batch_line_refused_or_failed_is_counted_in_its_class(store: Led
     assert (await store.request("b3") or {})["service_class"] == "batch"
     assert (await store.request("b4") or {})["service_class"] == "batch"
     assert (await store.request("i3") or {})["service_class"] is None
+
+
+async def test_each_models_spend_is_reported_apart(store: LedgerStore) -> None:
+    def on(event: Any, model: str | None) -> Any:
+        return msgspec.structs.replace(event, model=model)
+
+    events = [
+        on(prefill("e-a1-p", "a1", "acme", "h100", 1.0), "llama-3-8b"),
+        on(decode("e-a1-d", "a1", "acme", "h100", 2.0), "llama-3-8b"),
+        # The decode's report comes first here; the prefill's model fills nothing it lacks.
+        on(decode("e-q1-d", "q1", "acme", "h100", 4.0), "qwen-7b"),
+        on(prefill("e-q1-p", "q1", "acme", "h100", 1.0), "qwen-7b"),
+        on(prefill("e-q2-p", "q2", "acme", "h100", 3.0), "qwen-7b"),  # still running
+        decode("e-o1-d", "o1", "acme", "h100", 1.0),  # an older producer: no model said
+    ]
+    for event in events:
+        assert await store.record(event, PRICES)
+    models = {m["model"]: m for m in await store.by_model()}
+    assert sorted(models) == ["llama-3-8b", "qwen-7b", "unknown"]
+    llama, qwen = models["llama-3-8b"], models["qwen-7b"]
+    assert (llama["requests"], llama["completed"]) == (1, 1)
+    assert llama["gpu_seconds"] == pytest.approx(3.0)
+    assert (qwen["requests"], qwen["completed"], qwen["running"]) == (2, 1, 1)
+    assert qwen["spend_usd"] == pytest.approx(8.0 * PRICES["h100"] / 3600)
+    assert qwen["cost_per_completed_request_usd"] == pytest.approx(qwen["spend_usd"])
+    assert models["unknown"]["requests"] == 1
+    assert (await store.request("q1") or {})["model"] == "qwen-7b"
