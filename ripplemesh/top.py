@@ -33,6 +33,7 @@ from rich.text import Text
 
 from schemas.events import PrefillCompleted, RequestRejected, ScalingDecision, WorkerState
 from schemas.subjects import LIFECYCLE, WORKERS, event_subject
+from services.mesh.bus import kv_keys
 from services.router.policy import LIVENESS_S
 
 # A heartbeat older than this is stale: the router passes the worker over (its liveness bound).
@@ -514,15 +515,13 @@ class MeshWatch:
         self._notes["catch-up"] = "the window's events were not all read in time: counts may be short"
 
     async def _workers(self) -> list[WorkerState]:
-        from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+        from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
         for stale_note in [n for n in self._notes if n.startswith("worker ")]:
             del self._notes[stale_note]
         try:
             kv = await self.js.key_value(WORKERS.bucket)
-            keys = await asyncio.wait_for(kv.keys(), self.timeout_s)
-        except NoKeysError:
-            keys = []
+            keys = await asyncio.wait_for(kv_keys(self.js, WORKERS.bucket), self.timeout_s)
         except BucketNotFoundError:
             self._notes["bucket"] = f"no {WORKERS.bucket} bucket: has any service of the mesh started?"
             return []

@@ -22,7 +22,7 @@ from services.engines.base import EngineError, VirtualClock
 from services.engines.sim.engine import SimEngine
 from services.ingress.prepare import ClientRequest, InvalidRequest, prepare
 from services.mesh.block_hash import chain_block_hashes
-from services.mesh.bus import Bus
+from services.mesh.bus import Bus, kv_keys
 from services.mesh.config import MeshConfig
 from tests.conftest import TEST_CONFIG, TEST_KEY, async_wait_until, wait_for_workers
 
@@ -220,7 +220,7 @@ async def adapter_bus(adapter_mesh: Mesh) -> AsyncIterator[Bus]:
 async def worker_states(bus: Bus) -> list[WorkerState]:
     kv = await bus.key_value(WORKERS)
     states = []
-    for key in await kv.keys():
+    for key in await kv_keys(bus.js, WORKERS.bucket):
         entry = await kv.get(key)
         if entry.value:
             states.append(msgspec.json.decode(entry.value, type=WorkerState))

@@ -24,7 +24,7 @@ from openai.types import Batch
 from ripplemesh.launcher import Mesh
 from schemas.events import AdmissionDecision, new_event_id
 from schemas.subjects import event_subject
-from services.batch.records import BatchRecord, FileRecord, new_id
+from services.batch.records import BatchRecord, FileRecord, LineResult, new_id
 from services.batch.store import BatchStore
 from services.mesh.bus import Bus
 from tests.conftest import PLAIN_KEY, TEST_KEY, openai_client, wait_for_workers, wait_until
@@ -460,3 +460,27 @@ def test_an_id_with_non_ascii_letters_is_unknown_not_an_error(mesh: Mesh) -> Non
         response = httpx.request(method, base + path, headers=headers, timeout=10)
         assert response.status_code == 404, (path, response.text)
         assert response.json()["error"]["code"] == "not_found"
+
+
+async def test_the_store_reads_back_every_line_of_one_batch_and_none_of_another(bus: Bus) -> None:
+    """What a resumed runner and the final files are built from: every recorded line of the
+    batch, read in one request to the bucket's stream (nats-py's `keys()` could answer "none"
+    on a busy machine and a finished batch said 0 of 60 completed), and no other batch's."""
+    store = BatchStore(bus)
+    mine, other = new_id("batch_"), new_id("batch_")
+    assert await store.lines(mine) == {} and await store.sent(mine) == {}
+
+    def result(line: int) -> LineResult:
+        return LineResult(line=line, ok=line % 7 != 0, output={"custom_id": f"c-{line}"})
+
+    await asyncio.gather(*(store.record_line(mine, result(n)) for n in range(1, 301)))
+    await asyncio.gather(*(store.record_line(other, result(n)) for n in range(1, 6)))
+    assert not await store.record_line(mine, result(1)), "a line is recorded once"
+    await asyncio.gather(*(store.mark_sent(mine, n, f"{mine}-{n}") for n in range(1, 11)))
+
+    lines = await store.lines(mine)
+    assert sorted(lines) == list(range(1, 301))
+    assert lines[14] == result(14) and not lines[14].ok
+    assert sorted(await store.lines(other)) == [1, 2, 3, 4, 5]
+    assert await store.sent(mine) == {n: f"{mine}-{n}" for n in range(1, 11)}
+    assert await store.sent(other) == {}

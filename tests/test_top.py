@@ -37,6 +37,7 @@ from schemas.events import (
     WorkerState,
 )
 from schemas.subjects import WORKERS
+from services.mesh.bus import kv_keys
 from services.mesh.embedded_nats import free_port
 from services.mesh.nats_auth import load_credentials
 from tests.test_up import _user_env, running_up
@@ -296,9 +297,10 @@ async def _workers(data_dir: Path, servers: str) -> list[WorkerState]:
     creds = load_credentials(data_dir / "credentials" / "services.json")
     nc = await nats.connect(servers.split(","), **creds.connect_options())
     try:
-        kv = await nc.jetstream().key_value(WORKERS.bucket)
+        js = nc.jetstream()
+        kv = await js.key_value(WORKERS.bucket)
         states = []
-        for key in await kv.keys():
+        for key in await kv_keys(js, WORKERS.bucket):
             entry = await kv.get(key)
             assert entry.value
             states.append(msgspec.json.decode(entry.value, type=WorkerState))

@@ -20,6 +20,7 @@ from rich.console import Console
 from ripplemesh.traces import load_spans, render_ripple, request_trace
 from schemas.events import ScalingDecision, decode_event
 from schemas.subjects import WORKERS, event_subject
+from services.mesh.bus import kv_keys
 from services.mesh.config import DEFAULT_CONFIG
 from services.mesh.nats_auth import load_credentials
 from tests.test_up import running_up
@@ -52,15 +53,14 @@ async def stream(api: openai.AsyncOpenAI, i: int, max_tokens: int) -> tuple[int,
     return chunks, usage, response_id
 
 
-async def started_by_plans(kv) -> set[str]:  # type: ignore[no-untyped-def]
+async def started_by_plans(js, kv) -> set[str]:  # type: ignore[no-untyped-def]
     """The scaling decisions the registered workers say started them."""
     started_by: set[str] = set()
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return started_by
-    for key in keys:
-        entry = await kv.get(key)
+    for key in await kv_keys(js, WORKERS.bucket):
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue  # drained meanwhile
         if entry.value:
             state = json.loads(entry.value)
             if state.get("scaling_decision"):
@@ -92,12 +92,13 @@ async def test_a_burst_scales_up_the_calm_drains_to_zero_and_a_request_brings_a_
         )
         # The workers' registrations, read all along: a worker a plan starts during the burst may
         # be drained again soon after it.
-        kv = await nc.jetstream().key_value(WORKERS.bucket)
+        js = nc.jetstream()
+        kv = await js.key_value(WORKERS.bucket)
         started_by: set[str] = set()
 
         async def watch_workers() -> None:
             while True:
-                started_by.update(await started_by_plans(kv))
+                started_by.update(await started_by_plans(js, kv))
                 await asyncio.sleep(0.3)
 
         watcher = asyncio.create_task(watch_workers())

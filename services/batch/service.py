@@ -537,7 +537,8 @@ class BatchService:
             record = job.record = await self._store.modify(record.id, finalizing) or record
             if record.status != "finalizing":
                 return  # cancelled meanwhile: the next tick winds it down
-        results = await self._store.lines(record.id)
+        # What this runner recorded, and what the store holds (a runner before it recorded too).
+        results = {**job.done, **await self._store.lines(record.id)}
         if final == "expired":
             content = await self._store.content(record.input_file_id) or b""
             for number, _ in split_lines(content):

@@ -26,7 +26,6 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
     ObjectNotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -34,7 +33,7 @@ from nats.js.object_store import ObjectStore
 
 from schemas.subjects import KvBucketSpec
 from services.batch.records import BatchRecord, FileRecord, LineResult
-from services.mesh.bus import Bus
+from services.mesh.bus import Bus, kv_keys
 
 RETENTION_S = 30 * 24 * 3600.0
 FILES_OBJECTS = "RMESH_FILES"
@@ -138,11 +137,8 @@ class BatchStore:
 
     async def batches(self, tenant: str | None = None) -> list[BatchRecord]:
         """Every batch (of `tenant`), newest first."""
-        kv = await self._kv(BATCHES)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
+        await self._kv(BATCHES)
+        keys = await kv_keys(self.bus.js, BATCHES.bucket)
         found = await asyncio.gather(*(self._batch_entry(key) for key in keys))
         records = [f[0] for f in found if f is not None and (tenant is None or f[0].tenant == tenant)]
         records.sort(key=lambda r: (r.created_at, r.id), reverse=True)
@@ -198,12 +194,8 @@ class BatchStore:
     async def _by_line(self, spec: KvBucketSpec, batch_id: str) -> dict[int, bytes]:
         """A bucket's values for one batch's lines, by line number."""
         kv = await self._kv(spec)
-        try:
-            # Every key, filtered here: nats-py's own key filter finds nothing on this server.
-            prefix = f"{batch_id}."
-            keys = [key for key in await kv.keys() if key.startswith(prefix)]
-        except NoKeysError:
-            return {}
+        prefix = f"{batch_id}."
+        keys = await kv_keys(self.bus.js, spec.bucket, prefix)
         values: dict[int, bytes] = {}
 
         async def read(key: str) -> None:

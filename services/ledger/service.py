@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.requests import Request
@@ -46,6 +46,7 @@ from services.ledger.pricing import PricingError, price_gpu_seconds, price_kv_tr
 from services.ledger.store import DIMENSIONS, BatchResult, LedgerStore, default_database_url
 from services.ledger.tasks import status_of, workflow_key
 from services.ledger.workflow_spend import WorkflowSpendPublisher
+from services.mesh.bus import kv_keys
 from services.mesh.consumer import Delivery
 from services.mesh.runtime import Runtime
 
@@ -318,10 +319,7 @@ class LedgerService:
         """Read every live worker's heartbeat and record its idle GPU time since the last sample."""
         assert self.runtime is not None and self.store is not None
         kv = await self.runtime.bus.key_value(WORKERS)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            keys = []
+        keys = await kv_keys(self.runtime.bus.js, WORKERS.bucket)
         samples: list[WorkerSample] = []
         for key in keys:
             try:

@@ -193,6 +193,21 @@ def consumer_config(spec: ConsumerSpec) -> jsapi.ConsumerConfig:
     )
 
 
+async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[str]:
+    """A KV bucket's keys (those under `prefix`, e.g. ``"batch_1."``), asked of the bucket's
+    stream in one request.
+
+    Not `KeyValue.keys()`: its watcher decides "no more keys" from a consumer count that can
+    say 0 before the first key reaches the client, and then answers "no keys" on a busy
+    machine. Deleted keys may be listed (their marker is a message): a reader's `get` says so.
+    The server lists up to 100,000 subjects in one answer; every bucket read this way holds
+    fewer (a batch has at most 50,000 lines).
+    """
+    head = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{head}{prefix}>")
+    return [subject.removeprefix(head) for subject in info.state.subjects or {}]
+
+
 class Bus:
     """A service's connection to the mesh. Create with `await Bus.connect(url, name)`.
 
