@@ -151,3 +151,21 @@ def test_output_and_error_lines_have_openai_s_shape() -> None:
     assert refused["error"] == {"code": "model_not_found", "message": "line 4: no", "line": 4}
     malformed = failure_line("batch_abc", 5, None, code="invalid_line", message="line 5: bad")
     assert malformed["response"] is None and malformed["error"]["line"] == 5
+
+
+def test_the_mesh_config_sets_the_batch_limits_and_refuses_bad_ones() -> None:
+    from services.mesh.config import MeshConfig
+    from tests.conftest import TEST_CONFIG
+
+    config = msgspec.toml.decode(
+        TEST_CONFIG + "\n[batch]\nmax_in_flight = 4\npressure_hold_s = 1.5\n", type=MeshConfig
+    )
+    limits = config.batch.limits()
+    assert (limits.max_in_flight, limits.pressure_hold_s) == (4, 1.5)
+    assert limits.slots_per_worker == BatchLimits().slots_per_worker  # the rest: the policy's defaults
+    # A fleet of idle workers releases no more than the config lets it.
+    assert release([IDLE] * 8, RunnerState(pending=100, in_flight=3), limits, NOW).count == 1
+    with pytest.raises(msgspec.ValidationError, match="target_occupancy"):
+        msgspec.toml.decode(TEST_CONFIG + "\n[batch]\ntarget_occupancy = 2.0\n", type=MeshConfig)
+    with pytest.raises(msgspec.ValidationError, match="slots"):
+        msgspec.toml.decode(TEST_CONFIG + "\n[batch]\nslots = 4\n", type=MeshConfig)

@@ -104,3 +104,29 @@ async def test_a_request_sharing_a_long_prefix_lands_on_the_worker_holding_it(tw
             text = console.export_text()
             assert f"cached_tokens={second.usage.cached_tokens} (predicted {predicted})" in text
             assert "ttft_s=" in text and "(predicted " in text and "runners_up[0]" in text
+
+
+def router_calibration(mesh: Mesh) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{mesh.child('router').url}/healthz", timeout=5) as response:
+        return json.loads(response.read())["calibration"]  # type: ignore[no-any-return]
+
+
+async def test_the_router_learns_how_its_predictions_turn_out(two_worker_mesh: Mesh) -> None:
+    # Each completion the workers report is set against the router's prediction for it: its
+    # calibration (on /healthz, per GPU type) counts them, with the ratio it found.
+    mesh = two_worker_mesh
+    before = router_calibration(mesh).get("H100", {}).get("completion_samples", 0)
+    rng = random.Random(uuid.uuid4().int)
+    prefix = words(rng, 300)
+    async with MeshClient(mesh.url, "acme", credentials=mesh.credentials("acme")) as client:
+        for _ in range(6):
+            await client.complete(prompt=f"{prefix} {words(rng, 20)}", max_tokens=8)
+
+    def learned() -> dict[str, Any] | None:
+        h100 = router_calibration(mesh).get("H100", {})
+        return h100 if h100.get("completion_samples", 0) >= before + 6 else None
+
+    h100 = await asyncio.to_thread(wait_until, learned, 15)
+    assert 0.0 < h100["completion_ratio"] < 100.0 and h100["completion_spread"] > 0.0
+    # The later requests' prefills found the shared prefix the index said was there.
+    assert h100["cached_samples"] >= 1 and h100["cached_share"] > 0.5

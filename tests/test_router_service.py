@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from prometheus_client import REGISTRY
 
 from schemas.events import (
+    DecodeCompleted,
     InferenceRequest,
     KvDump,
     PrefillCompleted,
@@ -33,6 +34,7 @@ from schemas.events import (
     RequestAdmitted,
     RequestRejected,
     RouteDecision,
+    Usage,
     WorkerState,
     WorkflowRef,
     WorkflowSpend,
@@ -343,7 +345,32 @@ async def test_every_decision_is_an_event_with_its_predictions_and_is_counted(
             assert counter(
                 "ripplemesh_router_prediction_error_ttft_seconds_sum", direction="under"
             ) == pytest.approx(ttft_error_sum + 0.05, abs=1e-6)
-            assert len(router.predictions) == 0
+            # The prefill found more than the index claimed: the calibration's share stays whole.
+            assert router.state.calibration.found_share("H100") == 1.0
+            # Kept until the request ends: its completion, 1.5x the predicted time, is what the
+            # calibration learns from, on the decode worker's GPU type.
+            assert len(router.predictions) == 1
+            predicted_s = decision.chosen.completion_s or 0.0
+            assert predicted_s > 0
+            finished = DecodeCompleted(
+                event_id=new_event_id(),
+                occurred_at=decision.occurred_at + 1.5 * predicted_s,
+                request_id=request.request_id,
+                tenant="acme",
+                worker_id=holder,
+                gpu_type="H100",
+                gpu_seconds=0.05,
+                kv_transfer_bytes=0,
+                usage=Usage(prompt_tokens=1224, completion_tokens=request.max_tokens),
+                finish_reason="length",
+                latency_s=1.5 * predicted_s,
+            )
+            await bus.publish(event_subject("decode_completed"), finished)
+            await eventually(lambda: len(router.predictions) == 0)
+            learned = router.health()["calibration"]["H100"]
+            assert learned["completion_samples"] == 1
+            # One residual of ln(1.5) against a prior of 20: about a twentieth of the way.
+            assert 1.0 < learned["completion_ratio"] < 1.05
             # Another router's (or an unknown) request is not compared.
             await bus.publish(
                 event_subject("prefill_completed"),

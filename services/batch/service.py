@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -113,6 +114,8 @@ class BatchService:
     background = True  # off the request path: the request path gets the CPU first
 
     def __init__(self, limits: policy.BatchLimits | None = None) -> None:
+        # Given here (a test), or the mesh config's `[batch]` when the service starts.
+        self._given_limits = limits
         self.limits = limits or policy.BatchLimits()
         self.runtime: Runtime | None = None
         self.store: BatchStore | None = None
@@ -132,6 +135,7 @@ class BatchService:
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.limits = self._given_limits or runtime.config.batch.limits()
         self.store = BatchStore(runtime.bus)
         nc = runtime.bus.nc
         self._subscriptions = [
@@ -168,6 +172,7 @@ class BatchService:
             "lines_pending": sum(len(j.pending) for j in self.jobs.values()),
             "lines_in_flight": sum(len(j.in_flight) for j in self.jobs.values()),
             "last_release": None if release is None else {"count": release.count, "reason": release.reason},
+            "limits": dataclasses.asdict(self.limits),
         }
 
     @property

@@ -17,6 +17,7 @@ import msgspec
 from schemas.events import PriorityClass
 from schemas.subjects import ADMISSION_CONSUMER
 from services.admission.policy import AdmissionLimits, Control
+from services.batch.policy import BatchLimits
 
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
 
@@ -156,6 +157,26 @@ class AutoscalerPoolConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
             )
 
 
+_BATCH = BatchLimits()
+
+
+class BatchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The Batch API runner's share of the fleet: the fields of `BatchLimits`
+    (services/batch/policy.py, which says what each means), whose defaults these are."""
+
+    slots_per_worker: Annotated[int, msgspec.Meta(ge=0)] = _BATCH.slots_per_worker
+    target_occupancy: Annotated[float, msgspec.Meta(ge=0, le=1)] = _BATCH.target_occupancy
+    kv_high: Annotated[float, msgspec.Meta(gt=0, le=1)] = _BATCH.kv_high
+    queue_per_worker: Annotated[float, msgspec.Meta(ge=0)] = _BATCH.queue_per_worker
+    pressure_hold_s: Annotated[float, msgspec.Meta(ge=0)] = _BATCH.pressure_hold_s
+    pushback_s: Annotated[float, msgspec.Meta(ge=0)] = _BATCH.pushback_s
+    max_in_flight: Annotated[int, msgspec.Meta(ge=0)] = _BATCH.max_in_flight
+    max_release: Annotated[int, msgspec.Meta(ge=0)] = _BATCH.max_release
+
+    def limits(self) -> BatchLimits:
+        return BatchLimits(**msgspec.structs.asdict(self))
+
+
 class AutoscalerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The autoscaler's targets and limits (services/autoscaler/policy.py `Settings`). Without
     `pools` it plans the pools its workers announce, each kept at the size it has."""
@@ -193,6 +214,7 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tenants: dict[str, TenantConfig]
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     autoscaler: AutoscalerConfig = msgspec.field(default_factory=AutoscalerConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     gpu_prices_per_hour: dict[str, PositiveFloat]
     # The ledger prices KV cache bytes moved from a prefill to a decode worker at this many US$
     # per GB (10^9 bytes). The default, 0.01, is the order of inter-zone data transfer prices on

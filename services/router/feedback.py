@@ -9,7 +9,9 @@ route_decision``) and counts the other replicas' placements on their workers as 
 (`count_peer_placement`), until the worker's next heartbeat, which shows them.
 
 It also reads `PrefillCompleted` (``rmesh.events.prefill_completed``) to compare each of its own
-placements' predictions with what the prefill found (`reporting.Predictions`).
+placements' predictions with what the prefill found, and `DecodeCompleted` and `RequestFailed`
+(``rmesh.events.decode_completed``, ``.failed``) for how long they took: what its calibration
+learns from (`reporting.Predictions`, policy/calibration.py).
 
 Both are core subscriptions to subjects the LIFECYCLE stream also stores: no consumer state, no
 acks; a message missed during a reconnect costs one placement's worth of load accuracy or one
@@ -28,7 +30,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from schemas.events import PrefillCompleted, RouteDecision, RouteOption
+from schemas.events import DecodeCompleted, PrefillCompleted, RequestFailed, RouteDecision, RouteOption
 from schemas.subjects import event_subject
 from services.router.policy import RouterState
 
@@ -43,13 +45,16 @@ PEER_PLACEMENTS = Counter(
 )
 FEEDBACK = Counter(
     "ripplemesh_router_feedback_messages_total",
-    "Lifecycle messages the router read back, by kind (route_decision, prefill_completed) and "
+    "Lifecycle messages the router read back, by kind (route_decision, prefill_completed, "
+    "decode_completed, failed) and "
     "outcome (ok, invalid, error).",
     ["kind", "outcome"],
 )
 
 _decision_decoder = msgspec.json.Decoder(RouteDecision)
 _completed_decoder = msgspec.json.Decoder(PrefillCompleted)
+_decoded_decoder = msgspec.json.Decoder(DecodeCompleted)
+_failed_decoder = msgspec.json.Decoder(RequestFailed)
 
 
 def count_peer_placement(state: RouterState, event: RouteDecision, replica: str) -> str:
@@ -103,10 +108,12 @@ class Feedback:
         *,
         on_decision: Callable[[RouteDecision], object],
         on_prefill_completed: Callable[[PrefillCompleted], object],
+        on_ended: Callable[[DecodeCompleted | RequestFailed], object] | None = None,
     ):
         self.nc = nc
         self.on_decision = on_decision
         self.on_prefill_completed = on_prefill_completed
+        self.on_ended = on_ended
         # Set while both subscriptions are up (tests wait on it).
         self.subscribed = asyncio.Event()
 
@@ -118,6 +125,10 @@ class Feedback:
                 self.on_decision(_decision_decoder.decode(data))
             elif kind == "prefill_completed":
                 self.on_prefill_completed(_completed_decoder.decode(data))
+            elif kind == "decode_completed" and self.on_ended is not None:
+                self.on_ended(_decoded_decoder.decode(data))
+            elif kind == "failed" and self.on_ended is not None:
+                self.on_ended(_failed_decoder.decode(data))
             else:
                 kind, outcome = "other", "invalid"
                 FEEDBACK.labels(kind, outcome).inc()
@@ -134,7 +145,9 @@ class Feedback:
         return "ok"
 
     async def run(self) -> None:
-        subjects = (event_subject("route_decision"), event_subject("prefill_completed"))
+        subjects = [event_subject("route_decision"), event_subject("prefill_completed")]
+        if self.on_ended is not None:
+            subjects += [event_subject("decode_completed"), event_subject("failed")]
         while True:
             subs = []
             try:

@@ -19,10 +19,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from opentelemetry.util.types import AttributeValue
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from schemas.events import InferenceRequest, PrefillCompleted, RouteDecision, RouteOption
-from services.router.policy import NoPlacement, Placement, ScoredOption
+from schemas.events import (
+    DecodeCompleted,
+    InferenceRequest,
+    PrefillCompleted,
+    RequestFailed,
+    RouteDecision,
+    RouteOption,
+)
+from services.router.policy import NoPlacement, Placement, RouterState, ScoredOption
 
 DECISIONS = Counter(
     "ripplemesh_router_decisions_total",
@@ -59,8 +66,16 @@ PROMPT_TOKENS = Counter(
 PREDICTIONS = Counter(
     "ripplemesh_router_predictions_total",
     "This router's predictions, by what became of them: compared (with the prefill's outcome), "
-    "expired (no PrefillCompleted in time), dropped (the map was full).",
+    "completed (its completion time to the calibration), missed (failed past its deadline: the "
+    "time so far to the calibration), expired (no end heard in time), dropped (the map was full).",
     ["outcome"],
+)
+CALIBRATION = Gauge(
+    "ripplemesh_router_calibration",
+    "How the router's predictions turn out per GPU type (its calibration): completion_ratio "
+    "(actual over predicted completion time, geometric mean), completion_spread (the log-ratio's "
+    "spread), cached_share (the share of an indexed prefix prefills found).",
+    ["gpu_type", "figure"],
 )
 
 # The runners-up shown on the span and in the event.
@@ -225,20 +240,30 @@ def _direction(error: float) -> str:
     return "under" if error > 0 else "over" if error < 0 else "exact"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Prediction:
     cached_tokens: int
     ttft_s: float
     decided_at: float
     policy: str
     pool: str
+    completion_s: float = 0.0  # 0: the policy predicts none (a baseline)
+    indexed_cached_tokens: int = 0
+    prefill_gpu: str = ""
+    decode_gpu: str = ""
 
 
 class Predictions:
-    """This router's recent predictions, by request, until the prefill reports (bounded in number
-    and age: a request whose prefill never completes is forgotten)."""
+    """This router's recent predictions, by request, until the request ends (bounded in number
+    and age: a request that never reports is forgotten). Its prefill's outcome is compared in the
+    histograms; with its end, both go to the router's calibration (`RouterState.observe_cached`,
+    `observe_completion`): the cached prefix found, and the completion time, or for a request
+    failed past its deadline the time it had taken (at least that)."""
 
-    def __init__(self, *, capacity: int = 100_000, max_age_s: float = 600.0):
+    def __init__(
+        self, state: RouterState | None = None, *, capacity: int = 100_000, max_age_s: float = 600.0
+    ):
+        self.state = state
         self.capacity = capacity
         self.max_age_s = max_age_s
         self._by_request: OrderedDict[str, _Prediction] = OrderedDict()
@@ -247,10 +272,27 @@ class Predictions:
         return len(self._by_request)
 
     def record(
-        self, request_id: str, chosen: RouteOption, decided_at: float, *, policy: str = "", pool: str = ""
+        self,
+        request_id: str,
+        chosen: RouteOption,
+        decided_at: float,
+        *,
+        policy: str = "",
+        pool: str = "",
+        indexed_cached_tokens: int = 0,
+        prefill_gpu: str = "",
+        decode_gpu: str = "",
     ) -> None:
         self._by_request[request_id] = _Prediction(
-            chosen.cached_tokens, chosen.ttft_s, decided_at, policy, pool
+            chosen.cached_tokens,
+            chosen.ttft_s,
+            decided_at,
+            policy,
+            pool,
+            chosen.completion_s or 0.0,
+            indexed_cached_tokens,
+            prefill_gpu,
+            decode_gpu,
         )
         self._by_request.move_to_end(request_id)
         while len(self._by_request) > self.capacity:
@@ -261,7 +303,7 @@ class Predictions:
         """(actual - predicted cached tokens, actual - predicted TTFT) for a prefill this router
         placed, observed in the histograms; None for another router's (or a forgotten) one."""
         self._expire(time.time() if now is None else now)
-        prediction = self._by_request.pop(completed.request_id, None)
+        prediction = self._by_request.get(completed.request_id)
         if prediction is None:
             return None
         cached_error = completed.cached_tokens - prediction.cached_tokens
@@ -274,7 +316,32 @@ class Predictions:
         tokens.inc(completed.cached_tokens)
         computed = PROMPT_TOKENS.labels(prediction.policy, prediction.pool or completed.gpu_type, "computed")
         computed.inc(max(0, completed.prompt_tokens - completed.cached_tokens))
+        if self.state is not None and prediction.completion_s > 0.0:
+            gpu_type = prediction.prefill_gpu or completed.gpu_type
+            self.state.observe_cached(gpu_type, prediction.indexed_cached_tokens, completed.cached_tokens)
+            _export_calibration(self.state, gpu_type)
+        if prediction.completion_s <= 0.0:
+            self._by_request.pop(completed.request_id, None)  # nothing more to learn from it
         return cached_error, ttft_error
+
+    def ended(self, event: DecodeCompleted | RequestFailed, now: float | None = None) -> float | None:
+        """The request's end: its completion time against the prediction, for the calibration
+        (a failure only when past its deadline: it took at least that long). Returns the time
+        observed, None when nothing was."""
+        self._expire(time.time() if now is None else now)
+        prediction = self._by_request.pop(event.request_id, None)
+        if prediction is None or prediction.completion_s <= 0.0 or self.state is None:
+            return None
+        if isinstance(event, RequestFailed) and (
+            event.deadline_at is None or event.occurred_at < event.deadline_at
+        ):
+            return None  # failed for another reason: says nothing of the time it would take
+        taken = max(0.0, event.occurred_at - prediction.decided_at)
+        gpu_type = prediction.decode_gpu or (event.gpu_type if isinstance(event, DecodeCompleted) else "")
+        self.state.observe_completion(gpu_type, prediction.completion_s, taken)
+        _export_calibration(self.state, gpu_type)
+        PREDICTIONS.labels("completed" if isinstance(event, DecodeCompleted) else "missed").inc()
+        return taken
 
     def _expire(self, now: float) -> None:
         horizon = now - self.max_age_s
@@ -284,3 +351,10 @@ class Predictions:
                 break
             del self._by_request[request_id]
             PREDICTIONS.labels("expired").inc()
+
+
+def _export_calibration(state: RouterState, gpu_type: str) -> None:
+    figures = state.calibration.summary().get(gpu_type, {})
+    for figure in ("completion_ratio", "completion_spread", "cached_share"):
+        if figure in figures:
+            CALIBRATION.labels(gpu_type, figure).set(figures[figure])

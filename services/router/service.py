@@ -160,7 +160,7 @@ class RouterService:
         self.migrator: Migrator | None = None
         # This replica, among the routers sharing the admitted stream (feedback.py).
         self.replica_id = f"router-{uuid.uuid4().hex[:12]}"
-        self.predictions = reporting.Predictions()
+        self.predictions = reporting.Predictions(self.state)
         self.workflow_spend: WorkflowSpendView | None = None
         self.feedback: Feedback | None = None
         self.workers_watch: HeartbeatWatch | None = None
@@ -168,6 +168,7 @@ class RouterService:
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.state.config = router_config(runtime.config)
+        self.state.calibration.prior_spread = self.state.config.relative_error
         self._shapes = {m.name: m.shape for m in runtime.config.models}
         self.kv_index = KvIndex(runtime.config.block_size)
         self.kv_sync = KvSync(runtime.bus.nc, self.kv_index)
@@ -185,7 +186,10 @@ class RouterService:
         self.workflow_spend = WorkflowSpendView(runtime.bus)
         runtime.spawn(self.workflow_spend.run(), "workflow-spend")
         self.feedback = Feedback(
-            runtime.bus.nc, on_decision=self._on_route_decision, on_prefill_completed=self.predictions.compare
+            runtime.bus.nc,
+            on_decision=self._on_route_decision,
+            on_prefill_completed=self.predictions.compare,
+            on_ended=self.predictions.ended,
         )
         runtime.spawn(self.feedback.run(), "feedback")
         # Hear the other replicas before placing anything (bounded: they are advisory).
@@ -207,6 +211,8 @@ class RouterService:
             health["kv_index"] = self.kv_sync.health()
         if self.migrator is not None:
             health["migration"] = self.migrator.health()
+        # How its predictions have turned out, per GPU type (policy/calibration.py).
+        health["calibration"] = self.state.calibration.summary()
         return health
 
     async def _watch_workers(self) -> None:
@@ -319,8 +325,17 @@ class RouterService:
         PLACEMENTS.labels(decision.mode).inc()
         assert chosen is not None
         prefiller = self.state.workers.get(chosen.prefill_worker)
-        pool = prefiller.pool if prefiller is not None else ""
-        self.predictions.record(request.request_id, chosen, decided_at, policy=decision.policy, pool=pool)
+        decoder = self.state.workers.get(chosen.decode_worker)
+        self.predictions.record(
+            request.request_id,
+            chosen,
+            decided_at,
+            policy=decision.policy,
+            pool=prefiller.pool if prefiller is not None else "",
+            indexed_cached_tokens=decision.indexed_cached_tokens,
+            prefill_gpu=prefiller.gpu_type if prefiller is not None else "",
+            decode_gpu=decoder.gpu_type if decoder is not None else "",
+        )
         routed = RequestRouted(
             event_id=derived_event_id(event.event_id, "routed"),
             occurred_at=now,

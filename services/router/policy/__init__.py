@@ -15,7 +15,7 @@ prefill worker handing its KV to a decode worker, disaggregated) it predicts, fr
   workflow's step, to its last) is worth for its class (`RouterConfig`);
 - latency budget: predicted TTFT (queue + uncached prefill + cold load) and completion time
   (TTFT + KV transfer + decode at the worker's predicted time per token) against the deadline,
-  as a probability of meeting it;
+  as a probability of meeting it, from how predictions on that GPU type have turned out;
 - workflow: the spend a late step of a workflow puts at risk (failing it wastes every earlier
   step), and the workflow's prefix, which lives where its earlier steps ran.
 
@@ -44,6 +44,8 @@ The modules, each deciding one thing, in the order they depend on one another:
 
 - speed.py: how long work takes on a worker (its roofline, a prefill's wall and GPU time);
 - types.py: what the decision reads and answers (workers, config, request, placements);
+- calibration.py: how its predictions have turned out, per GPU type (the chance of success
+  and the share of an indexed prefix found read it);
 - state.py: what the router knows of its workers and has placed on them (`RouterState`);
 - prefix.py: what is cached where (the prefix view, a request's matches);
 - predict.py: one option's completion time, cost, chance of success and score;

@@ -76,6 +76,7 @@ def place(
         candidates=considered,
         decode_load=load(decode.worker, state),
         predicted_cached_tokens=prefill.cached_tokens,
+        indexed_cached_tokens=prefill.indexed_tokens,
         predicted_ttft_s=best.ttft_s,
         predicted_cost_usd=best.cost_usd,
         success_probability=best.probability,

@@ -50,6 +50,7 @@ class Side:
     new_blocks: int  # KV blocks the request adds there (its cached prefix is already there)
     kv_fraction: float  # the worker's KV in use once they are added
     cold_s: float = 0.0  # loading the weights or adapter it lacks for the request
+    indexed_tokens: int = 0  # the prefix the index says it caches (before `found_share`)
 
     @property
     def batch_share(self) -> float:
@@ -75,6 +76,14 @@ def predict_side(
     fig = worker_figures(state, worker)
     block = request.block_size
     prompt = request.prompt_tokens
+    # The share of an indexed prefix prefills there have lately found (evicted meanwhile, or
+    # the index behind): what the prediction counts on.
+    indexed = matched_blocks * block
+    if indexed > prompt - 1:
+        indexed = prompt - 1 if prompt > 0 else 0
+    found = state.calibration.found_share(worker.gpu_type) if matched_blocks else 1.0
+    if found < 1.0:
+        matched_blocks = round(matched_blocks * found)
     cached = matched_blocks * block
     if cached > prompt - 1:
         cached = prompt - 1
@@ -171,10 +180,8 @@ def predict_side(
         new_blocks=need,
         kv_fraction=kv_fraction,
         cold_s=cold,
+        indexed_tokens=indexed,
     )
-
-
-_SQRT2 = math.sqrt(2.0)
 
 
 @dataclass(slots=True)
@@ -354,8 +361,8 @@ def predict_option(
     probability = 1.0
     if request.deadline_at is not None:
         slack = request.deadline_at - now
-        sigma = config.relative_error * completion + config.absolute_error_s
-        probability = 0.5 * math.erfc(-((slack - completion) / sigma) / _SQRT2)  # the normal CDF
+        # As this GPU type's predictions have turned out lately (calibration.py).
+        probability = state.calibration.success_probability(decode.worker.gpu_type, completion, slack)
     # The latency this request imposes on the requests already running where it goes (what a
     # second of theirs is worth: `imposed_worth`): its prefill steps hold up their decodes, and
     # its KV is read in every decode step they share.

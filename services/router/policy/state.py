@@ -11,6 +11,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from services.router.policy.calibration import Calibration
 from services.router.policy.speed import prefill_seconds
 from services.router.policy.types import LIVENESS_S, Role, RouterConfig, WorkerView
 
@@ -77,6 +78,22 @@ class RouterState:
     _last_options: tuple[object, ...] | None = None
     # New tasks' first steps as placed lately (`refuse.dearest`).
     _new_tasks: NewTasks = field(default_factory=lambda: NewTasks())
+    # How the predictions turned out, per GPU type (calibration.py); its prior from `config`.
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def __post_init__(self) -> None:
+        if not self.calibration.completion and not self.calibration.cached_share:
+            self.calibration.prior_spread = self.config.relative_error
+
+    def observe_completion(self, gpu_type: str, predicted_s: float, actual_s: float) -> None:
+        """A placement's completion time as it turned out (`Calibration.observe_completion`)."""
+        self._version += 1
+        self.calibration.observe_completion(gpu_type, predicted_s, actual_s)
+
+    def observe_cached(self, gpu_type: str, predicted_tokens: int, actual_tokens: int) -> None:
+        """A prefill's cached prefix as it turned out (`Calibration.observe_cached`)."""
+        self._version += 1
+        self.calibration.observe_cached(gpu_type, predicted_tokens, actual_tokens)
 
     def observe(self, worker: WorkerView) -> None:
         previous = self.workers.get(worker.worker_id)

@@ -66,14 +66,11 @@ class RouterConfig:
     saturation_backlog_s: float = 1.0
     # The window of the prefill arrival rate the router keeps per worker (its placements).
     rate_window_s: float = 10.0
-    # The spread of a completion-time prediction: sigma = relative x predicted + absolute seconds.
-    # A fit, not a calibration: the predictions are pessimistic (a step predicted at 20-30 s
-    # takes a median 0.75 of that) and the refusals read the chance, so a wider spread gives a
-    # step predicted near its deadline the better odds it has. 0.4 against 0.3, over the 64
-    # agentic and Mooncake runs: the cheapest in 49 either way, the SLO at least the best
-    # baseline's in 57 against 54 (0.45, 0.5: agentic x20 SLO short at 2 seeds; docs/experiments.md).
+    # The spread of a completion-time prediction (the log of actual over predicted) before a
+    # GPU type has shown its own (calibration.py: learned online per GPU type from then on).
+    # 0.4 was fitted, as a normal spread of 0.4 x predicted + 0.25 s, on the agentic and
+    # Mooncake runs (docs/experiments.md); as a prior it weighs 20 completions.
     relative_error: float = 0.4
-    absolute_error_s: float = 0.25
     # No option gives the task at least this chance of meeting its deadlines: infeasible.
     min_success_probability: float = 0.05
     # The chance a task that takes its steps' full price from the fleet must have to be worth
@@ -207,6 +204,9 @@ class Placement:
     predicted_completion_s: float = 0.0
     # The objective the options were ranked by (lower is better); None from a policy without one.
     score: float | None = None
+    # The prefix the KV index says the prefill worker caches (the prediction discounts it by the
+    # share prefills there have found: `Calibration.found_share`); what that share is learned on.
+    indexed_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
