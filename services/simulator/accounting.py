@@ -51,6 +51,8 @@ class Accounting(SimState):
 
     def _spend(self, task_run: _TaskRun, usd: float) -> None:
         self.attributed_usd += usd
+        if task_run.model is not None:
+            self.by_model[task_run.model].attributed_usd += usd
         if task_run.ended:
             if task_run.succeeded:
                 self.successful_usd += usd
@@ -69,6 +71,8 @@ class Accounting(SimState):
         if reason is None:
             task_run.succeeded = True
             self.tasks_succeeded += 1
+            if task_run.model is not None:
+                self.by_model[task_run.model].succeeded += 1
             self.successful_usd += task_run.spend
             self.by_priority[task_run.task.priority][0] += 1
         else:

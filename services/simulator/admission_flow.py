@@ -151,6 +151,7 @@ class AdmissionFlow(Requests):
         """A request ended: its concurrency lease goes back; one admitted frees the fleet."""
         task = req.task_run.task
         self.in_flight -= 1
+        self.by_model[req.model].in_flight -= 1
         self._deadlines.pop(req.rid, None)
         admission_policy.release(self.admission, task.tenant, req.rid)
         if slo_met:

@@ -34,8 +34,9 @@ test that patches a policy module sees the simulator's decisions change.
 This module holds the event loop (`Simulator.run`, `_loop`, the heartbeats) and
 `run_simulation`; the rest is layered beneath `Simulator`, one concern a module: state.py (the
 run's state and clock), accounting.py (spend and task verdicts), replicas.py (the fleet and the
-autoscaler), lifecycle.py (a request's life), admission_flow.py (admission's glue), records.py
-(per-request records and `SimOptions`) and results.py (the `SimResult`).
+autoscaler), lifecycle.py (a request's life), admission_flow.py (admission's glue), batch.py (a
+Batch API job), per_model.py (several models on one fleet), records.py (per-request records and
+`SimOptions`) and results.py (the `SimResult`).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ import heapq
 import time
 
 from services.simulator.admission import DEFAULT_ADMISSION, AdmissionVariant
-from services.simulator.batch import BatchFlow
 from services.simulator.fleet import FleetSpec
 from services.simulator.metrics import SimResult
+from services.simulator.per_model import PerModel
 from services.simulator.records import (
     Progress,
     RequestLog,
@@ -88,11 +89,11 @@ __all__ = [
 ]
 
 
-class Simulator(BatchFlow):
+class Simulator(PerModel):
     """One run: the event loop over the fleet (replicas.py), the requests' lives (lifecycle.py),
-    admission's glue (admission_flow.py), a Batch API job's runner (batch.py) and the ledger's
-    accounting (accounting.py), on the state and clock of state.py; `run` returns the
-    `SimResult` (results.py)."""
+    admission's glue (admission_flow.py), a Batch API job's runner (batch.py), the figures per
+    model (per_model.py) and the ledger's accounting (accounting.py), on the state and clock of
+    state.py; `run` returns the `SimResult` (results.py)."""
 
     def run(self) -> SimResult:
         started = time.perf_counter()

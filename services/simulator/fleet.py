@@ -9,6 +9,15 @@ pools separated by commas:
     4..32xH100                            autoscaled between 4 and 32 replicas, starting at 4
     0..8xH100                             autoscaled between 0 and 8 (to zero when idle), starting at 0
     8xH100/llama-3-70b:fp8@2              tensor parallelism 2 (each replica two GPUs)
+    2xH100/llama-3.1-8b,2xH100/llama-3-70b:fp8@2
+                                          two models, each its pool (the shapes name two models)
+    2xH100/qwen-7b=llama-3.1-8b           model qwen-7b on the llama-3.1-8b shape
+
+A pool serves one model, the name requests carry (`PoolSpec.model`; none: the workload's). In a
+compact string, `MODEL=SHAPE` names it; and where the pools' shapes name more than one model
+(shape names less their precision, `llama-3.1-8b` and `llama-3-70b`), each pool naming a shape
+serves the model of that name (a pool naming none, the workload's). Shapes of one model in
+several precisions (`llama-3-8b`, `llama-3-8b:fp8`) are one model's.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import msgspec
 
 from services.autoscaler.capacity import Slo
 from services.autoscaler.policy import Settings
+from services.engines.sim import profiles
 from services.engines.sim.engine import SimEngine
 from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S
 
@@ -36,7 +46,7 @@ class PoolSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["decode", "prefill"] = "decode"  # "decode" pools serve aggregated when no prefill pool
     gpu: str = "H100"
     shape: str = "llama-3.1-8b"
-    model: str | None = None  # the model name requests carry; default: the workload's
+    model: str | None = None  # the model it serves (requests naming it); default: the workload's
     replicas: Count = 1  # at the start (an autoscaled pool's start may be its minimum, 0 too)
     autoscale: bool = False
     min_replicas: Count = 1
@@ -140,7 +150,7 @@ class FleetSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _POOL = re.compile(
     r"^(?:(?P<role>prefill|decode):)?"
     r"(?:(?P<low>\d+)\.\.(?P<high>\d+)|(?P<count>\d+))x(?P<gpu>[A-Za-z0-9_-]+)"
-    r"(?:/(?P<shape>[A-Za-z0-9_.:-]+?))?(?:@(?P<tp>\d+))?$"
+    r"(?:/(?:(?P<model>[A-Za-z0-9_./:-]+)=)?(?P<shape>[A-Za-z0-9_.:-]+?))?(?:@(?P<tp>\d+))?$"
 )
 
 
@@ -152,11 +162,12 @@ def parse_fleet(spec: str) -> FleetSpec:
             raise ValueError(f"fleet file not found: {spec}")
         return msgspec.toml.decode(path.read_bytes(), type=FleetSpec)
     pools: list[PoolSpec] = []
+    named: list[str | None] = []  # the model each pool's `/...` names
     for item in filter(None, (part.strip() for part in spec.split(","))):
         match = _POOL.match(item)
         if match is None:
             raise ValueError(
-                f"bad pool {item!r}: expected [prefill:|decode:]N[..M]xGPU[/shape][@tp], e.g. 64xH100"
+                f"bad pool {item!r}: expected [prefill:|decode:]N[..M]xGPU[/[model=]shape][@tp], e.g. 64xH100"
             )
         fields: dict[str, object] = {"gpu": match["gpu"], "role": match["role"] or "decode"}
         if match["count"] is not None:
@@ -166,7 +177,23 @@ def parse_fleet(spec: str) -> FleetSpec:
             fields.update(replicas=low, min_replicas=low, max_replicas=high, autoscale=True)
         if match["shape"]:
             fields["shape"] = match["shape"]
+            try:
+                profiles.model_shape(match["shape"])
+            except ValueError as error:
+                raise ValueError(
+                    f"pool {item!r}: {error}; a model of another name takes a shape: "
+                    f"{match['shape']}=llama-3.1-8b"
+                ) from None
+        if match["model"]:
+            fields["model"] = match["model"]
         if match["tp"]:
             fields["tensor_parallel"] = int(match["tp"])
         pools.append(msgspec.convert(fields, PoolSpec))
+        named.append(match["model"] or (match["shape"].partition(":")[0] if match["shape"] else None))
+    if len({name for name in named if name is not None}) > 1:
+        # The shapes name several models: each pool naming one serves the model of that name.
+        pools = [
+            msgspec.structs.replace(pool, model=name) if name is not None and pool.model is None else pool
+            for pool, name in zip(pools, named, strict=True)
+        ]
     return FleetSpec(pools=pools)

@@ -71,7 +71,11 @@ def compare(
             progress.update(bar, completed=result.tasks, total=result.tasks)
             results.append(result)
     console.print(comparison_table(results))
+    if any(len(r.by_model) > 1 for r in results):
+        console.print(model_table(results))
     console.print(admission_table(results))
+    if any(r.router_calibration for r in results):
+        console.print(calibration_table(results))
     if out is not None:
         written = write_results(results, out, plots=plots, console=console)
         console.print(f"wrote {', '.join(str(p) for p in written)}")
@@ -96,10 +100,14 @@ def comparison_table(results: Sequence[SimResult]) -> Table:
     first = results[0] if results else None
     title = "policy comparison"
     if first is not None:
+        several = len({p.get("model") for p in first.fleet["pools"]}) > 1
         pools = ", ".join(
-            f"{p['min_replicas']}..{p['max_replicas']}x{p['gpu']} {p['role']}"
-            if p["autoscale"]
-            else f"{p['replicas']}x{p['gpu']} {p['role']}"
+            (
+                f"{p['min_replicas']}..{p['max_replicas']}x{p['gpu']} {p['role']}"
+                if p["autoscale"]
+                else f"{p['replicas']}x{p['gpu']} {p['role']}"
+            )
+            + (f" {p['model']}" if several else "")
             for p in first.fleet["pools"]
         )
         title = f"{first.workload['name']} on {pools}: {first.tasks:,} tasks, {first.requests:,} requests"
@@ -185,6 +193,63 @@ def write_results(
 
 def _file_name(label: str) -> str:
     return "".join(c if c.isalnum() or c in "+-_." else "_" for c in label)
+
+
+def model_table(results: Sequence[SimResult]) -> Table:
+    """Each run's figures per model (several models on one fleet, each its own pools)."""
+    table = Table(title="by model", title_justify="left")
+    for column in (
+        "run",
+        "model",
+        "pools",
+        "$/successful task",
+        "succeeded",
+        "total $",
+        "requests",
+        "completed",
+        "rejected",
+        "held",
+        "SLO",
+        "TTFT p99",
+    ):
+        table.add_column(column, justify="left" if column in ("run", "model", "pools") else "right")
+    for r in results:
+        for model, m in r.by_model.items():
+            table.add_row(
+                r.label,
+                model,
+                ", ".join(m["pools"]) or "-",
+                _money(m["cost_per_successful_task_usd"], 5),
+                f"{m['tasks_succeeded']:,}/{m['tasks']:,}",
+                _money(m["total_spend_usd"], 2),
+                f"{m['requests']:,}",
+                f"{m['completed']:,}",
+                f"{m['rejected']:,}",
+                f"{m['held']:,}",
+                _percent(m["slo_attainment"]),
+                _seconds(m["ttft_p99_s"]),
+            )
+    return table
+
+
+def calibration_table(results: Sequence[SimResult]) -> Table:
+    """How ripplemesh's predictions turned out per GPU type, as its calibration learned them
+    (the chance of success and the cached prefix counted on read it)."""
+    table = Table(title="router calibration", title_justify="left")
+    for column in ("run", "GPU", "actual/predicted", "spread", "completions", "prefix found", "prefills"):
+        table.add_column(column, justify="left" if column in ("run", "GPU") else "right")
+    for r in results:
+        for gpu_type, c in r.router_calibration.items():
+            table.add_row(
+                r.label,
+                gpu_type or "-",
+                f"{c['completion_ratio']:.2f}" if "completion_ratio" in c else "-",
+                f"{c['completion_spread']:.2f}" if "completion_spread" in c else "-",
+                f"{int(c.get('completion_samples', 0)):,}",
+                _percent(c["cached_share"]) if "cached_share" in c else "-",
+                f"{int(c.get('cached_samples', 0)):,}",
+            )
+    return table
 
 
 def admission_table(results: Sequence[SimResult]) -> Table:

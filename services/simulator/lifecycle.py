@@ -1,8 +1,9 @@
-"""A request's life: a task's arrival and its steps issued, held for a replica where its model
-has no decode worker serving (released when one is ready, rejected when none is in time), the
-router's placement and the hand-off to its workers, prefill, the KV hand-off to a decode worker,
-completion (latencies, SLOs, the task's next step or its end), rejection, failure and the
-client's deadline; each request logged once (`RequestRecord`) when its GPU time is all charged."""
+"""A request's life: a task's arrival and its steps issued (each naming its model, by default the
+workload's), held for a replica where its model has no decode worker serving (released when one
+is ready, rejected when none is in time), the router's placement on its model's workers and the
+hand-off to them, prefill, the KV hand-off to a decode worker, completion (latencies, SLOs, the
+task's next step or its end), rejection, failure and the client's deadline; each request logged
+once (`RequestRecord`) when its GPU time is all charged."""
 
 from __future__ import annotations
 
@@ -49,14 +50,21 @@ class Requests(Fleet):
         task = task_run.task
         index = task_run.step_index = task_run.step_index + 1
         rid = f"{task.task_id}-{index}" if task.workflow else task.task_id
-        req = _RequestRun(task_run, index, rid, spec, now)
+        model = spec.model or self.workload.model
+        if task_run.model is None:
+            task_run.model = model
+        req = _RequestRun(task_run, index, rid, spec, now, model)
         self.requests += 1
         self.in_flight += 1
         self._arrivals_since_sample += 1
-        window = self._window
+        figures = self._figures_of(model)
+        figures.requests += 1
+        figures.in_flight += 1
+        figures.tasks += index == 1
+        window = self._window = figures.window
         window.arrivals += 1
         window.prompt_tokens += spec.prompt_tokens
-        if not self._decode_live.get(self.workload.model):
+        if not self._decode_live.get(model):
             self._count_issued(req)
             self._hold(req, now, admitted=False)
         elif self._admit(req, now):
@@ -74,31 +82,39 @@ class Requests(Fleet):
         return min((d for d in deadlines if d is not None), default=None)
 
     def _hold(self, req: _RequestRun, now: float, *, admitted: bool) -> None:
-        """No decode worker serves the model: the request waits for one, until its first
-        deadline or, without one, `hold_limit_s`; the first held asks the autoscaler for a plan
-        now."""
+        """No decode worker serves the request's model: the request waits for one, until its
+        first deadline or, without one, `hold_limit_s`; the model's first held asks the
+        autoscaler for a plan now."""
         self._held[req.rid] = (req, admitted)
         self.held_requests += 1
+        figures = self.by_model[req.model]
+        figures.held += 1
+        figures.holding += 1
         give_up = self._give_up_at(req)
         until = give_up if give_up is not None else now + self.fleet.hold_limit_s
         self._push(max(now, until), _HOLD, req.rid)
-        if len(self._held) == 1:
+        if figures.holding == 1:
             self._plan_soon(now)
 
     def _hold_expired(self, rid: str, now: float) -> None:
         entry = self._held.pop(rid, None)
         if entry is not None:
             req, admitted = entry
+            self.by_model[req.model].holding -= 1
             self._reject(req, "router" if admitted else "admission", "no_capacity_in_time", now)
 
     def _release_held(self, now: float) -> None:
-        """A decode worker is ready: the held requests go on, in the order they came, to
-        admission (those not admitted yet) and the router."""
-        if not self._held or not self._decode_live.get(self.workload.model):
+        """A decode worker is ready: the requests held for a model that now has one go on, in
+        the order they came, to admission (those not admitted yet) and the router; the other
+        models' stay held."""
+        live = self._decode_live
+        ready = [rid for rid, (req, _) in self._held.items() if live.get(req.model)]
+        if not ready:
             return
         self._observe_fleet(now)
-        held = list(self._held.values())
-        self._held.clear()
+        held = [self._held.pop(rid) for rid in ready]
+        for req, _ in held:
+            self.by_model[req.model].holding -= 1
         for req, admitted in held:
             if admitted or self._admit(req, now, counted=True):
                 self._route(req, now)
@@ -119,7 +135,7 @@ class Requests(Fleet):
         built = req.route_request = RouteRequest(
             request_id=req.rid,
             tenant=task.tenant,
-            model=self.workload.model,
+            model=req.model,
             block_size=self.block_size,
             block_hashes=spec.block_hashes,
             prompt_tokens=spec.prompt_tokens,
@@ -138,7 +154,7 @@ class Requests(Fleet):
         """Place an admitted request (held back `admission_wait_s` by admission) and hand it to
         its workers."""
         spec, rid = req.spec, req.rid
-        if not self._decode_live.get(self.workload.model):
+        if not self._decode_live.get(req.model):
             self._hold(req, now, admitted=True)
             return
         prompt, output = spec.prompt_tokens, spec.output_tokens
@@ -161,6 +177,18 @@ class Requests(Fleet):
                 self._fail(req, "engine", verdict[0], now)
                 return
         req.upper_bound = self._upper_bound(spec)
+        if placement.predicted_completion_s > 0.0:
+            views = self.router_state.workers
+            decode_view = views.get(placement.decode_worker)
+            prefill_view = views.get(placement.prefill_worker)
+            if decode_view is not None and prefill_view is not None:
+                req.predicted = (
+                    decode_view.gpu_type,
+                    prefill_view.gpu_type,
+                    now,
+                    placement.predicted_completion_s,
+                    placement.indexed_cached_tokens,
+                )
         seq = Seq(rid, prompt, spec.block_hashes, output, req, kv_import=False)
         req.placed = (prefill_worker.worker_id, decode_worker.worker_id)
         req.workers[seq] = prefill_worker
@@ -211,6 +239,8 @@ class Requests(Fleet):
     def _prefilled(self, worker: SimWorker, req: _RequestRun, seq: Seq, now: float) -> None:
         req.first_token_at = now
         req.cached = seq.cached_tokens
+        if req.predicted is not None:
+            self.router_state.observe_cached(req.predicted[1], req.predicted[4], seq.cached_tokens)
         req.queue_s = seq.admitted_at - seq.enqueued_at
         window = self._window
         window.cached_tokens += seq.cached_tokens
@@ -250,6 +280,7 @@ class Requests(Fleet):
 
     def _complete(self, req: _RequestRun, now: float) -> None:
         req.done = True
+        self._observe_completion(req, now)
         self.requests_completed += 1
         spec = req.spec
         first = req.first_token_at if req.first_token_at is not None else now
@@ -317,12 +348,14 @@ class Requests(Fleet):
                 cached_tokens=req.cached,
                 gpu_seconds=req.gpu_s,
                 workers=req.placed,
+                model=req.model,
             )
         )
 
     def _reject(self, req: _RequestRun, stage: str, reason: str, now: float) -> None:
         key = f"{stage}:{reason}"
         self.rejections[key] = self.rejections.get(key, 0) + 1
+        self.by_model[req.model].rejected += 1
         if self.request_log is not None:
             self._log(req, key, now)
         req.done = True
@@ -332,6 +365,7 @@ class Requests(Fleet):
     def _fail(self, req: _RequestRun, stage: str, reason: str, now: float) -> None:
         key = f"{stage}:{reason}"
         self.failures[key] = self.failures.get(key, 0) + 1
+        self.by_model[req.model].failed += 1
         if self.request_log is not None:
             if req.workers:  # a step in flight still holds it: logged when it lets go
                 req.outcome = (key, now)
@@ -365,7 +399,15 @@ class Requests(Fleet):
         if req.reserved is not None:
             req.reserved.reserved -= 1
             req.reserved = None
+        self._observe_completion(req, now)  # at least this long: a miss the calibration sees
         self._fail(req, "client", reason, now)
+
+    def _observe_completion(self, req: _RequestRun, now: float) -> None:
+        """The router's calibration hears how its completion-time prediction turned out."""
+        if req.predicted is not None:
+            gpu_type, _, decided_at, predicted_s, _ = req.predicted
+            self.router_state.observe_completion(gpu_type, predicted_s, now - decided_at)
+            req.predicted = None
 
     def _release_cancelled(self, req: _RequestRun, seq: Seq, worker: SimWorker) -> None:
         req.workers.pop(seq, None)

@@ -207,6 +207,15 @@ class SimResult(msgspec.Struct, kw_only=True):
     # The Batch API job's outcome (None without one): lines completed, failed and expired, how
     # long it took, whether within its window, the release policy's decisions by reason.
     batch: dict[str, Any] | None = None
+    # Per model (each pool serves one; the router places a request only on its model's workers):
+    # its pools, requests issued, completed, rejected, failed and held, SLO attainment (over the
+    # requests issued), TTFT, tasks (a task is its step 1's model) and those succeeded, the spend
+    # of its pools (provisioned GPU time and its KV hand-offs: the models' add up to
+    # `total_spend_usd`), the ledger's spend of its requests, and cost per successful task.
+    by_model: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    # How ripplemesh's predictions turned out, per GPU type, as its calibration learned them
+    # (services/router/policy/calibration.py `Calibration.summary`); empty for a baseline.
+    router_calibration: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
 
     @property
     def label(self) -> str:

@@ -4,9 +4,10 @@ deadlines and its place in a workflow (docs/simulator.md, "Workflow traces").
 One line a request (`WorkflowLine`, decoded strictly): Mooncake's `timestamp` (ms), `input_length`,
 `output_length` and `hash_ids` (512-token blocks), and optionally `tenant`, `priority`,
 `workflow_id` with `step` (1-based) and `steps`, `deadline_ms` (for the first token) and
-`e2e_deadline_ms` (for the last), both after the request's arrival, and `completed_ms` (when the
-recording saw it complete). A line without `workflow_id` is a single request, so a plain Mooncake
-file is a valid workflow trace and gives the tasks `MooncakeTrace` gives.
+`e2e_deadline_ms` (for the last), both after the request's arrival, `completed_ms` (when the
+recording saw it complete) and `model` (the model it named; a workflow's lines name one). A line
+without `workflow_id` is a single request, so a plain Mooncake file is a valid workflow trace and
+gives the tasks `MooncakeTrace` gives.
 
 `WorkflowTrace` replays it closed loop (`replay="closed"`, the default): a workflow arrives at its
 step 1's timestamp and its step k+1 is issued when step k completes in the simulation, after the
@@ -59,6 +60,7 @@ class WorkflowLine(msgspec.Struct, frozen=True):
     deadline_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None  # first token, after arrival
     e2e_deadline_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None  # last token, after arrival
     completed_ms: _Milliseconds | None = None  # the recorded completion, from the trace's start
+    model: Annotated[str, msgspec.Meta(min_length=1)] | None = None  # default: the trace's `model`
 
 
 # The fields a plain Mooncake line lacks: a file carrying any of them is read as a workflow trace.
@@ -71,6 +73,7 @@ EXTENSION_FIELDS = (
     "deadline_ms",
     "e2e_deadline_ms",
     "completed_ms",
+    "model",
 )
 _EXTENSION_KEY = re.compile(rb'"(?:' + b"|".join(f.encode() for f in EXTENSION_FIELDS) + rb')"\s*:')
 
@@ -97,6 +100,7 @@ class _Recorded:
     workflow_id: str | None = None
     tenant: str | None = None
     priority: PriorityClass | None = None
+    model: str | None = None
     declared_steps: int | None = None
     declared_at: int = 0  # the line that declared them
     last_line: int = 0
@@ -111,6 +115,7 @@ class _Index:
     first_skipped: str | None = None  # "line N: why", the first line skipped
     last_timestamp_ms: float = 0.0
     tenants: dict[str, PriorityClass | None] = field(default_factory=dict)  # in order of appearance
+    models: dict[str, None] = field(default_factory=dict)  # the models lines name, in that order
 
     def cut_short(self) -> int:
         """Workflows whose lines stop before their declared steps."""
@@ -162,6 +167,8 @@ def _read_index(path: Path, skip_bad: bool) -> _Index:
             index.last_timestamp_ms = max(index.last_timestamp_ms, line.timestamp)
             if line.tenant is not None:
                 index.tenants.setdefault(line.tenant, line.priority)
+            if line.model is not None:
+                index.models.setdefault(line.model)
     return index
 
 
@@ -199,7 +206,8 @@ def _add_step(
     """A workflow's line (`name`'s step `step`): its step 1 starts a task; step k+1 must follow its
     step k, in time too, for the same tenant, and every line's `steps` must agree. (A step may
     change its class, as a request in the mesh may; the task keeps its step 1's: see
-    `_RecordedWorkflow`.)"""
+    `_RecordedWorkflow`. Its model it may not: an agent's steps extend one conversation, whose
+    KV one model's workers hold.)"""
     task = workflows.get(name)
     if step == 1:
         if task is not None:
@@ -211,6 +219,7 @@ def _add_step(
             workflow_id=name,
             tenant=line.tenant,
             priority=line.priority,
+            model=line.model,
             declared_steps=line.steps,
             declared_at=number if line.steps is not None else 0,
             last_line=number,
@@ -236,6 +245,10 @@ def _add_step(
     if line.tenant != task.tenant:
         raise _BadLine(
             number, f"workflow {name!r} is tenant {task.tenant!r}'s (line {task.line}), not {line.tenant!r}"
+        )
+    if line.model != task.model:
+        raise _BadLine(
+            number, f"workflow {name!r} names model {task.model!r} (line {task.line}), not {line.model!r}"
         )
     if line.timestamp < task.last_timestamp_ms:
         raise _BadLine(
@@ -378,6 +391,7 @@ class WorkflowTrace(MooncakeTrace):
             first_token_deadline_s=line.deadline_ms / 1000.0 if line.deadline_ms is not None else None,
             think_s=think_s,
             fails=fails,
+            model=line.model,
         )
 
     def _records(self) -> Iterator[Record]:
@@ -442,4 +456,5 @@ class WorkflowTrace(MooncakeTrace):
             "workflows_cut_short": self._index.cut_short(),
             "skipped_lines": self._index.skipped,
             "first_skipped": self._index.first_skipped,
+            **({"models": list(self._index.models)} if self._index.models else {}),
         }

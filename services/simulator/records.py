@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.router.policy import RouterConfig, RouteRequest
+from services.simulator.autoscaling import TrafficWindow
 from services.simulator.metrics import LatencySketch
 from services.simulator.workload import Step, Task
 
@@ -33,6 +34,7 @@ class RequestRecord:
     cached_tokens: int
     gpu_seconds: float
     workers: tuple[str, ...]
+    model: str = ""  # the model it named (its workers are that model's)
 
 
 RequestLog = Callable[[RequestRecord], None]
@@ -67,6 +69,7 @@ class _TaskRun:
         "gpu_s",
         "max_completed_step",
         "max_failed_step",
+        "model",
         "spend",
         "step_index",
         "succeeded",
@@ -84,6 +87,7 @@ class _TaskRun:
         self.max_failed_step = 0
         self.final_completed_at: float | None = None
         self.deadline_misses = 0
+        self.model: str | None = None  # its step 1's (a task's steps name one model)
 
 
 class _RequestRun:
@@ -95,8 +99,10 @@ class _RequestRun:
         "first_token_at",
         "gpu_s",
         "index",
+        "model",
         "outcome",
         "placed",
+        "predicted",
         "queue_s",
         "reserved",
         "rid",
@@ -107,8 +113,9 @@ class _RequestRun:
         "workers",
     )
 
-    def __init__(self, task_run: _TaskRun, index: int, rid: str, spec: Step, arrival: float):
+    def __init__(self, task_run: _TaskRun, index: int, rid: str, spec: Step, arrival: float, model: str):
         self.task_run = task_run
+        self.model = model  # the model it names: placed only on that model's workers
         self.index = index
         self.rid = rid
         self.spec = spec
@@ -125,6 +132,9 @@ class _RequestRun:
         self.outcome: tuple[str, float] | None = None  # to log once its GPU time is all charged
         self.done = False
         self.route_request: RouteRequest | None = None  # as last built (`Simulator._route_request`)
+        # The router's prediction for its placement, for its calibration: (the decode worker's
+        # GPU type, the prefill worker's, when decided, completion seconds, indexed cached tokens).
+        self.predicted: tuple[str, str, float, float, int] | None = None
 
 
 class _TenantFigures:
@@ -151,3 +161,44 @@ class ClassFigures:
         self.succeeded = 0
         self.attributed_usd = 0.0
         self.ttft = LatencySketch()
+
+
+class ModelFigures:
+    """One model's figures (several models on one fleet, each its own pools): requests issued,
+    completed, rejected and failed, held for a replica (ever, and now), in flight, meeting their
+    SLO, their first-token latencies, tasks and tasks succeeded (a task is its step 1's model),
+    the ledger's spend attributed to them and their KV hand-offs' spend; and the traffic since
+    the autoscaler's last plan (`window`, its `Observation` of the model)."""
+
+    __slots__ = (
+        "attributed_usd",
+        "completed",
+        "failed",
+        "held",
+        "holding",
+        "in_flight",
+        "kv_transfer_usd",
+        "rejected",
+        "requests",
+        "slo_met",
+        "succeeded",
+        "tasks",
+        "ttft",
+        "window",
+    )
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.completed = 0
+        self.rejected = 0
+        self.failed = 0
+        self.held = 0
+        self.holding = 0
+        self.in_flight = 0
+        self.slo_met = 0
+        self.tasks = 0
+        self.succeeded = 0
+        self.attributed_usd = 0.0
+        self.kv_transfer_usd = 0.0
+        self.ttft = LatencySketch()
+        self.window = TrafficWindow()

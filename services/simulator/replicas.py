@@ -147,6 +147,7 @@ class Fleet(Accounting):
         usd = pricing.price_kv_transfer(moved, self.kv_usd_per_gb)
         self.kv_transfer_bytes += moved
         self.kv_transfer_usd += usd
+        self.by_model[seq.owner.model].kv_transfer_usd += usd
         self._spend(seq.owner.task_run, usd)
         self._push(now + worker.kv_transfer_seconds(seq), _IMPORT, (worker, seq))
 
@@ -191,6 +192,8 @@ class Fleet(Accounting):
         if fresh:
             self._last_windows = {o.model: o.window for o in observations}
             self._window = TrafficWindow()
+            for figures in self.by_model.values():
+                figures.window = TrafficWindow()
             self._window_start = now
         by_name = {d.pool: d for d in plan.pools}
         for index, spec in enumerate(self.fleet.pools):
@@ -263,11 +266,11 @@ class Fleet(Accounting):
 
     def _observations(self, pools: list[Pool], now: float, *, fresh: bool = True) -> list[Observation]:
         """The traffic since the last plan (not `fresh`: the last plan's window again), per
-        model (the workload's requests all carry its model), and what the fleet holds now."""
+        model (each request's, counted in its model's figures), and what the fleet holds now."""
         observations = []
         for model in sorted({p.model for p in pools}):
-            mine = model == self.workload.model
-            traffic = self._window if mine else TrafficWindow()
+            figures = self.by_model.get(model)
+            traffic = figures.window if figures is not None else TrafficWindow()
             window = Window(
                 start=self._window_start,
                 end=now,
@@ -291,8 +294,8 @@ class Fleet(Accounting):
                     ttft_p90_s=ttft,
                     itl_p90_s=itl,
                     queued_prompt_tokens=queued_tokens,
-                    held=len(self._held) if mine else 0,
-                    in_flight=self.in_flight if mine else 0,
+                    held=figures.holding if figures is not None else 0,
+                    in_flight=figures.in_flight if figures is not None else 0,
                 )
             )
         return observations

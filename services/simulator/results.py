@@ -9,6 +9,7 @@ from services.ledger import pricing
 from services.simulator.fleet import FleetSpec
 from services.simulator.metrics import SimResult, latency_stats, ratio
 from services.simulator.policies import router_config_changes
+from services.simulator.records import ModelFigures
 from services.simulator.state import SimState
 
 
@@ -21,19 +22,24 @@ def result_of(sim: SimState, wall_s: float) -> SimResult:
     provisioned_usd = 0.0
     busy_gpu_s = 0.0
     preemptions = 0
+    by_model: dict[str, list[float]] = {}  # model -> [provisioned GPU-seconds, US$]
     for worker in sim.all_workers:
         stop = worker.removed_at if worker.removed_at is not None else end
         seconds = max(0.0, min(stop, end) - worker.provisioned_at) * worker.tensor_parallel
+        usd = pricing.price_gpu_seconds(worker.gpu_type, seconds, sim.prices)
         provisioned_gpu_s += seconds
-        provisioned_usd += pricing.price_gpu_seconds(worker.gpu_type, seconds, sim.prices)
+        provisioned_usd += usd
         busy_gpu_s += worker.busy_seconds * worker.tensor_parallel
         preemptions += worker.preemptions
+        provisioned = by_model.setdefault(worker.model, [0.0, 0.0])
+        provisioned[0] += seconds
+        provisioned[1] += usd
     replicas = [s.provisioned for s in sim.timeline]
     completed = sim.requests_completed
     return SimResult(
         policy=sim.policy_name,
         workload=sim.workload.describe(),
-        fleet=_describe_fleet(sim.fleet, sim.block_size),
+        fleet=_describe_fleet(sim.fleet, sim.block_size, sim.workload.model),
         seed=sim.seed,
         cost_per_successful_task_usd=ratio(provisioned_usd + sim.kv_transfer_usd, sim.tasks_succeeded),
         total_spend_usd=provisioned_usd + sim.kv_transfer_usd,
@@ -95,7 +101,41 @@ def result_of(sim: SimState, wall_s: float) -> SimResult:
         held_requests=sim.held_requests,
         by_class=sim.class_summary(),
         batch=sim.batch_summary(),
+        by_model=_model_figures(sim, by_model),
+        router_calibration=sim.router_state.calibration.summary(),
     )
+
+
+def _model_figures(sim: SimState, provisioned: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Per model: the pools serving it and what its requests and tasks did and cost."""
+    pools: dict[str, list[str]] = {}
+    for index, pool in enumerate(sim.fleet.pools):
+        pools.setdefault(pool.model or sim.workload.model, []).append(pool.label(index))
+    out: dict[str, dict[str, Any]] = {}
+    for model in sorted(set(pools) | set(sim.by_model) | set(provisioned)):
+        f = sim.by_model.get(model) or ModelFigures()
+        gpu_s, usd = provisioned.get(model, (0.0, 0.0))
+        total = usd + f.kv_transfer_usd
+        out[model] = {
+            "pools": pools.get(model, []),
+            "requests": f.requests,
+            "completed": f.completed,
+            "rejected": f.rejected,
+            "failed": f.failed,
+            "held": f.held,
+            "slo_attainment": ratio(f.slo_met, f.requests),
+            "ttft_p50_s": f.ttft.quantile(0.5),
+            "ttft_p99_s": f.ttft.quantile(0.99),
+            "tasks": f.tasks,
+            "tasks_succeeded": f.succeeded,
+            "provisioned_gpu_seconds": gpu_s,
+            "total_spend_usd": total,
+            "attributed_spend_usd": f.attributed_usd,
+            "idle_spend_usd": max(0.0, total - f.attributed_usd),
+            "kv_transfer_spend_usd": f.kv_transfer_usd,
+            "cost_per_successful_task_usd": ratio(total, f.succeeded),
+        }
+    return out
 
 
 def _tenant_figures(sim: SimState) -> dict[str, dict[str, Any]]:
@@ -122,7 +162,7 @@ def _tenant_figures(sim: SimState) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _describe_fleet(fleet: FleetSpec, block_size: int) -> dict[str, Any]:
+def _describe_fleet(fleet: FleetSpec, block_size: int, default_model: str) -> dict[str, Any]:
     return {
         "block_size": block_size,
         "heartbeat_s": fleet.heartbeat_s,
@@ -139,6 +179,7 @@ def _describe_fleet(fleet: FleetSpec, block_size: int) -> dict[str, Any]:
                 "role": pool.role,
                 "gpu": pool.gpu,
                 "shape": pool.shape,
+                "model": pool.model or default_model,
                 "replicas": pool.replicas,
                 "autoscale": pool.autoscale,
                 "min_replicas": pool.min_replicas,

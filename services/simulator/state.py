@@ -23,6 +23,7 @@ from services.simulator.metrics import FleetSample, LatencySketch, PlanRecord
 from services.simulator.policies import FleetPrefixView, make_router
 from services.simulator.records import (
     ClassFigures,
+    ModelFigures,
     Progress,
     RequestLog,
     SimOptions,
@@ -75,6 +76,7 @@ class SimState:
         self.options = options or SimOptions()
         self.progress = progress
         self.block_size = fleet.block_size or workload.block_size
+        _check_models(fleet, workload.model)
         if fleet.heartbeat_s > router_policy.LIVENESS_S:
             raise ValueError(
                 f"heartbeat_s ({fleet.heartbeat_s}) must not exceed the router's liveness "
@@ -105,6 +107,7 @@ class SimState:
         self.by_tenant: dict[str, _TenantFigures] = {}
         self.slo_by_priority: dict[str, list[int]] = {}  # priority -> [met, issued]
         self.by_class: dict[str, ClassFigures] = {}  # service class (Task.service_class) -> figures
+        self.by_model: dict[str, ModelFigures] = {}  # the model requests name -> figures
         # The router learns from admission's config whether it is the only shedding (as the
         # router service does from the mesh config); the run records the options' config.
         self.router_state = RouterState(
@@ -125,6 +128,8 @@ class SimState:
         self.autoscaler = parse_autoscaler(self.options.autoscaler, fleet, self.kv_usd_per_gb)
         self._desired: dict[str, int] = {}
         self._profiles: dict[str, EngineProfile] = {}
+        # The traffic since the last plan of the model whose request is in hand (each model's is
+        # its `ModelFigures.window`; lifecycle.py reads this one, set to the request's model's).
         self._window = TrafficWindow()
         self._window_start = 0.0
         self._last_windows: dict[str, Window] = {}  # per model: the last interval plan's
@@ -183,6 +188,12 @@ class SimState:
         if task is not None:
             self._push(task.arrival_s, _ARRIVAL, task)
 
+    def _figures_of(self, model: str) -> ModelFigures:
+        figures = self.by_model.get(model)
+        if figures is None:
+            figures = self.by_model[model] = ModelFigures()
+        return figures
+
     def _work_left(self) -> bool:
         return self._next_task is not None or self.active_tasks > 0
 
@@ -193,6 +204,16 @@ class SimState:
     def batch_summary(self) -> dict[str, Any] | None:
         """The Batch API job's outcome (batch.py); None without one."""
         return None
+
+
+def _check_models(fleet: FleetSpec, default_model: str) -> None:
+    """Each model's prefill pools need a decode pool of that model (a pool naming no model
+    serves the workload's)."""
+    decode = {p.model or default_model for p in fleet.pools if p.role == "decode"}
+    for index, pool in enumerate(fleet.pools):
+        model = pool.model or default_model
+        if pool.role == "prefill" and model not in decode:
+            raise ValueError(f"pool {pool.label(index)} prefills for {model}, which has no decode pool")
 
 
 def _mesh_config() -> MeshConfig:

@@ -37,6 +37,7 @@ traces take `repeat` (replay the trace N times back to back, each copy's prefixe
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -94,6 +95,8 @@ class Step:
     # For its first token, after the step's arrival (workflow traces' `deadline_ms`): the client
     # gives up without one by then. The mesh's policies see only `deadline_s`.
     first_token_deadline_s: float | None = None
+    # The model it names (served only by that model's workers); None: the workload's `model`.
+    model: str | None = None
 
 
 class Task(ABC):
@@ -276,7 +279,7 @@ class MooncakeTrace(_Trace):
                 f"block_size must divide {MOONCAKE_BLOCK_TOKENS} (Mooncake's block), got {block_size}"
             )
 
-    def _hashes(self, hash_ids: list[int], prompt: int, copy: int) -> list[int]:
+    def _hashes(self, hash_ids: list[int], prompt: int, copy: int, model: str | None = None) -> list[int]:
         full = prompt // self.block_size
         adapter = f"repeat-{copy}" if copy else None
         m = MOONCAKE_BLOCK_TOKENS // self.block_size  # engine blocks per Mooncake block
@@ -285,7 +288,7 @@ class MooncakeTrace(_Trace):
         else:
             ids = [h * m + j for h in hash_ids[: -(-full // m)] for j in range(m)][:full]
         # Each id a "token" of a one-token block: the project's chained hash over the ids.
-        return chain_block_hashes(ids, 1, model=self.model, adapter=adapter)
+        return chain_block_hashes(ids, 1, model=model or self.model, adapter=adapter)
 
     def _lines(self) -> Iterator[_MooncakeLine]:
         decoder = msgspec.json.Decoder(_MooncakeLine)
@@ -323,17 +326,19 @@ class MooncakeTrace(_Trace):
         first_token_deadline_s: float | None = None,
         think_s: float = 0.0,
         fails: bool = False,
+        model: str | None = None,
     ) -> Step:
-        """A trace line's request (Mooncake's fields; a workflow trace's deadlines, think time and
-        whether its agent stops after it)."""
+        """A trace line's request (Mooncake's fields; a workflow trace's deadlines, think time,
+        whether its agent stops after it, and its model, whose hash chain its prefix is on)."""
         return Step(
             prompt_tokens=input_length,
             output_tokens=max(1, output_length),
-            block_hashes=self._hashes(hash_ids, input_length, copy),
+            block_hashes=self._hashes(hash_ids, input_length, copy, model),
             deadline_s=deadline_s,
             think_s=think_s,
             fails=fails,
             first_token_deadline_s=first_token_deadline_s,
+            model=model,
         )
 
     def _builder(self, line: _MooncakeLine, copy: int) -> Callable[[float, int], Task]:
@@ -451,6 +456,8 @@ class AgenticTenant:
     # `context_tokens` each; each workflow works on one, drawn uniformly (none by default).
     contexts: int = 0
     context_tokens: int = 0
+    # The model its workflows name (None: drawn from the workload's `models` mix, else its `model`).
+    model: str | None = None
 
 
 DEFAULT_TENANTS: tuple[AgenticTenant, ...] = (
@@ -611,11 +618,16 @@ class _Chain:
         return other
 
 
+# Each tenant's system prompt, and each tenant's shared contexts, on one model's hash chain.
+_Prompts = tuple[list[_Chain], list[list[_Chain]]]
+
+
 class _Workflow(Task):
     __slots__ = (
         "_chain",
         "_deadline",
         "_fails",
+        "_model",
         "_news",
         "_outputs",
         "_thinks",
@@ -640,9 +652,11 @@ class _Workflow(Task):
         outputs: list[int],
         thinks: list[float],
         fails: list[bool],
+        model: str | None = None,
     ):
         self.task_id = task_id
         self._uid = uid
+        self._model = model
         self.tenant = tenant.name
         self.priority = tenant.priority
         self.arrival_s = arrival_s
@@ -669,6 +683,7 @@ class _Workflow(Task):
             deadline_s=self._deadline,
             think_s=self._thinks[index - 1],
             fails=self._fails[index - 1],
+            model=self._model,
         )
 
 
@@ -705,6 +720,9 @@ class AgenticWorkload(Workload):
     seed: int = 0
     block_size: int = 16
     model: str = "llama-3.1-8b"
+    # Several models on one fleet: each workflow names one, drawn by weight from (model, weight)
+    # pairs (empty: every workflow names `model`); a tenant's own `model` overrides the draw.
+    models: tuple[tuple[str, float], ...] = ()
     rate_scale: float = 1.0
     window: tuple[float, float] | None = None
     limit: int | None = None
@@ -725,6 +743,14 @@ class AgenticWorkload(Workload):
             raise ValueError("step_weights: one weight >= 0 per length from min_steps to max_steps")
         if any(t.contexts < 0 or t.context_tokens < 0 for t in self.tenants_spec):
             raise ValueError("a tenant's contexts and context_tokens must be >= 0")
+        names = [name for name, _ in self.models]
+        if self.models and (
+            not all(names)
+            or len(set(names)) < len(names)
+            or min(w for _, w in self.models) < 0
+            or sum(w for _, w in self.models) <= 0
+        ):
+            raise ValueError("models: distinct names, each with a weight >= 0, weights summing to > 0")
         if self.workflows < 0 or self.rate_per_s <= 0:
             raise ValueError("workflows must be >= 0 and rate_per_s > 0")
         if not 0.0 <= self.failure_rate <= 1.0:
@@ -744,15 +770,14 @@ class AgenticWorkload(Workload):
         mu = math.log(max(mean, 1.0)) - sigma * sigma / 2.0
         return max(1, min(self.max_tokens_per_step, round(rng.lognormvariate(mu, sigma))))
 
-    def _records(self) -> Iterator[Record]:
-        arrivals = random.Random(self.seed)
-        shares = [t.share for t in self.tenants_spec]
+    def _prompts(self, model: str) -> _Prompts:
+        """Each tenant's system prompt and its shared contexts (each after its system prompt), on
+        the model's hash chain: hashed once per workload and model."""
         systems = []
         for t in self.tenants_spec:
-            chain = _Chain(chain_seed(self.model), self.block_size)
+            chain = _Chain(chain_seed(model), self.block_size)
             chain.append(_segment_id(f"system/{t.name}"), t.system_prompt_tokens)
             systems.append(chain)
-        # Each tenant's shared contexts, each after its system prompt: hashed once per workload.
         contexts: list[list[_Chain]] = []
         for t, system in zip(self.tenants_spec, systems, strict=True):
             chains = []
@@ -761,6 +786,19 @@ class AgenticWorkload(Workload):
                 chain.append(_segment_id(f"context/{t.name}/{j}"), t.context_tokens)
                 chains.append(chain)
             contexts.append(chains)
+        return systems, contexts
+
+    def _records(self) -> Iterator[Record]:
+        arrivals = random.Random(self.seed)
+        shares = [t.share for t in self.tenants_spec]
+        prompts = {self.model: self._prompts(self.model)}
+
+        def prompts_of(model: str) -> _Prompts:
+            found = prompts.get(model)
+            if found is None:
+                found = prompts[model] = self._prompts(model)
+            return found
+
         at = 0.0
         shaped = (self.burst_s > 0 and self.burst_factor != 1.0) or self.daily_amplitude > 0
         for i in range(self.workflows):
@@ -768,7 +806,7 @@ class AgenticWorkload(Workload):
                 at = self._next_arrival(arrivals, at)
             else:
                 at += arrivals.expovariate(self.rate_per_s)
-            yield (at, self._builder(i, shares, systems, contexts))
+            yield (at, self._builder(i, shares, prompts_of))
 
     def _rate_until(self, t: float) -> tuple[float, float]:
         """The arrival rate in force at `t` (bursts or the daily shape on) and when it next changes."""
@@ -801,7 +839,7 @@ class AgenticWorkload(Workload):
             t = until
 
     def _builder(
-        self, i: int, shares: list[float], systems: list[_Chain], contexts: list[list[_Chain]]
+        self, i: int, shares: list[float], prompts_of: Callable[[str], _Prompts]
     ) -> Callable[[float, int], Task]:
         def build(arrival: float, index: int) -> Task:
             rng = random.Random(mix64(self.seed * 1_000_003 + i))
@@ -819,8 +857,16 @@ class AgenticWorkload(Workload):
                 rng.expovariate(1.0 / self.think_s) if self.think_s > 0 else 0.0 for _ in range(steps - 1)
             ]
             fails = [rng.random() < self.failure_rate for _ in range(steps)]
-            # Drawn last, and only with contexts, so that workloads without keep their draws.
-            system = rng.choice(contexts[which]) if contexts[which] else systems[which]
+            # Drawn last, the context only with contexts and the model only from a mix, so that
+            # workloads without keep their draws.
+            systems, contexts = prompts_of(self.model)
+            context = rng.choice(range(len(contexts[which]))) if contexts[which] else None
+            model = tenant.model
+            if model is None and self.models:
+                model = rng.choices([m for m, _ in self.models], weights=[w for _, w in self.models])[0]
+            if model is not None and model != self.model:
+                systems, contexts = prompts_of(model)
+            system = systems[which] if context is None else contexts[which][context]
             return _Workflow(
                 task_id=f"wf{i}",
                 uid=i,
@@ -831,6 +877,7 @@ class AgenticWorkload(Workload):
                 outputs=outputs,
                 thinks=thinks,
                 fails=fails,
+                model=model,
             )
 
         return build
@@ -864,6 +911,7 @@ class AgenticWorkload(Workload):
             "output_tokens": self.output_tokens,
             "think_s": self.think_s,
             "failure_rate": self.failure_rate,
+            **({"models": [[m, w] for m, w in self.models]} if self.models else {}),
             "seed": self.seed,
             "tenants": [
                 {
@@ -874,6 +922,7 @@ class AgenticWorkload(Workload):
                     "step_deadline_s": t.step_deadline_s,
                     "weight": t.quota.weight,
                     **({"contexts": t.contexts, "context_tokens": t.context_tokens} if t.contexts else {}),
+                    **({"model": t.model} if t.model is not None else {}),
                 }
                 for t in self.tenants_spec
             ],
@@ -1017,6 +1066,8 @@ GENERATOR_OPTIONS: dict[str, Any] = {
     "seed": int,
     "block_size": int,
     "model": str,
+    "models": str,  # NAME[:WEIGHT]/...: each workflow's model, drawn by weight (default 1)
+    "tenant_models": str,  # TENANT:MODEL/...: those tenants' workflows name that model
     "tenants": str,  # a name in TENANT_SETS
 }
 # A JSONL trace's options (`trace.jsonl:key=value,...`): which format, and a workflow trace's.
@@ -1087,9 +1138,45 @@ def _generator(name: str, text: str, common: dict[str, Any], block_size: int | N
             values["step_weights"] = tuple(float(w) for w in weights.split("/"))
         except ValueError:
             raise ValueError(f"{name} option step_weights={weights!r}: expected e.g. 0.6/0.3/0.1") from None
+    if "models" in values:
+        values["models"] = _model_mix(name, values["models"])
+    if "tenant_models" in values:
+        tenants_spec = values.get("tenants_spec", GENERATORS[name].tenants_spec)
+        values["tenants_spec"] = _tenant_models(name, values.pop("tenant_models"), tenants_spec)
     if block_size is not None:
         values.setdefault("block_size", block_size)
     return GENERATORS[name](**{**common, **values})
+
+
+def _model_mix(name: str, text: str) -> tuple[tuple[str, float], ...]:
+    """`a:3/b:1` (or `a/b`, weights 1): the (model, weight) pairs of a generator's `models` (a
+    model's name may hold a colon: the weight is what follows the last one, if a number)."""
+    mix = []
+    for item in text.split("/"):
+        model, _, weight = item.rpartition(":")
+        try:
+            mix.append((model.strip(), float(weight)))
+        except ValueError:
+            mix.append((item.strip(), 1.0))
+    if not all(model for model, _ in mix):
+        raise ValueError(f"{name} option models={text!r}: expected e.g. llama-3.1-8b:3/qwen-7b:1")
+    return tuple(mix)
+
+
+def _tenant_models(name: str, text: str, tenants: tuple[AgenticTenant, ...]) -> tuple[AgenticTenant, ...]:
+    """`assistant:a/agents:b`: those tenants' workflows name those models."""
+    by_name = {t.name: t for t in tenants}
+    models: dict[str, str] = {}
+    for item in text.split("/"):
+        tenant, sep, model = item.partition(":")
+        tenant = tenant.strip()
+        if not sep or not model.strip():
+            raise ValueError(f"{name} option tenant_models={text!r}: expected e.g. assistant:a/agents:b")
+        if tenant not in by_name:
+            known = ", ".join(by_name)
+            raise ValueError(f"{name} option tenant_models: no tenant {tenant!r}; known: {known}")
+        models[tenant] = model.strip()
+    return tuple(dataclasses.replace(t, model=models.get(t.name, t.model)) for t in tenants)
 
 
 def _trace_spec(spec: str) -> tuple[Path, dict[str, Any]]:
