@@ -12,12 +12,23 @@ from pathlib import Path
 
 import pytest
 
+from services.autoscaler.capacity import EngineProfile, Slo, replica_capacity
 from services.router.policy import RouterConfig
+from services.simulator.capacity import capacity, fleet_request_rate, offered_work
+from services.simulator.fleet import parse_fleet
 from services.simulator.sweep import (
+    ARRIVALS_S,
+    AZURE_FLEET,
     COST_VERDICTS,
+    FAMILIES,
+    FAMILY_FLEET,
+    LOADS,
+    MOONCAKE_WINDOWS,
     SweepPoint,
     cell_path,
     cost_interval,
+    family_points,
+    family_runs,
     mean_interval,
     parse_seeds,
     router_points,
@@ -25,6 +36,7 @@ from services.simulator.sweep import (
     summarise,
     write_summary,
 )
+from services.simulator.workload import ListWorkload, Step, load_workload, random_prompt_hashes
 
 POLICIES = ("ripplemesh", "round_robin", "least_loaded")
 POINTS = [
@@ -181,6 +193,8 @@ def test_the_router_sweep_is_the_issue_comparison(tmp_path: Path) -> None:
         (["--only", "agentic-s0-x1$", "--router-config", "no_such_knob=1"], "unknown router config"),
         (["--only", "agentic-s0-x1$", "--router-config", "dearest_gate=high"], "expected a number"),
         (["--only", "agentic-s0-x1$", "--seeds", "9-5"], "expected e.g. 5-9"),
+        (["--suite", "families", "--only", "agentic-s0-x1$"], "no point matches"),
+        (["--suite", "families", "--only", "mooncake-w0-5x$", "--traces", "missing"], "is not there"),
         (
             ["--only", "agentic-s0-x1$", "--router-config", "latency_worth_usd_per_s=1"],
             "unknown router config",
@@ -234,3 +248,143 @@ def test_a_router_variant_remakes_only_ripplemesh_runs_made_with_another_config(
         point, tmp_path, policies=policies, admissions=("ripplemesh",), jobs=1, router_config=variant
     )
     assert (third.ran, third.read) == (0, 2)
+
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+GENERATORS = ("agentic", "coding", "rag-chat")
+
+
+def test_capacity_is_where_the_offered_work_meets_the_fleets_roofline() -> None:
+    # Ten requests a second apart, each 4,096 prompt tokens (256 blocks of 16) and 200 out; the
+    # last five repeat the first five's prompts, which are whole blocks: cached, all of them.
+    prompts = [random_prompt_hashes("llama-3.1-8b", 16, 256, i % 5) for i in range(10)]
+    steps = [(float(i), Step(4096, 200, prompts[i])) for i in range(10)]
+    work = offered_work([ListWorkload(steps)])
+    assert (work.tasks, work.requests, work.span_s) == (10, 10, 9.0)
+    assert (work.prompt_tokens, work.uncached_tokens, work.output_tokens) == (4096, 2048, 200)
+    # Each replica serves the mix at the smaller of its prefill-bound and decode-bound rates, at
+    # the autoscaler's own figures for the pool's sim engine; a fleet, the sum.
+    fleet = parse_fleet("1xH100,1xH200")
+    expected = 0.0
+    for pool in fleet.pools:
+        engine = pool.engine(model="llama-3.1-8b", block_size=16)
+        profile = EngineProfile(
+            engine.perf, engine.blocks.total_blocks * 16, engine.max_batch_tokens, engine.max_running
+        )
+        cap = replica_capacity(profile, uncached_prompt=2048, context=4196, slo=Slo())
+        expected += min(cap.prefill_tokens_per_s / 2048, cap.decode_tokens_per_s / 200)
+    assert fleet_request_rate(fleet, work) == pytest.approx(expected)
+    at = capacity([ListWorkload(steps)], fleet)
+    assert at.rate_scale == pytest.approx(expected / (10 / 9))
+    # Twice the fleet serves twice; a 70B model on it, far less; an autoscaled fleet has no size.
+    assert fleet_request_rate(parse_fleet("2xH100,2xH200"), work) == pytest.approx(2 * expected)
+    assert (
+        fleet_request_rate(parse_fleet("1xH100/llama-3.3-70b:fp8,1xH200/llama-3.3-70b:fp8"), work)
+        < expected / 3
+    )
+    with pytest.raises(ValueError, match="fixed fleet"):
+        fleet_request_rate(parse_fleet("1..4xH100"), work)
+    # A pool of another model serves none of it.
+    h100 = fleet_request_rate(parse_fleet("1xH100"), work)
+    assert fleet_request_rate(parse_fleet("1xH100,1xH200/qwen-7b=llama-3.1-8b"), work) == pytest.approx(h100)
+    # The router suite's rates, read by the rule: its lightest agentic rate is well under
+    # capacity, its heaviest well over.
+    agentic = next(p for p in router_points(Path("unused.jsonl"), (0,)) if p.name == "agentic-s0-x1")
+    scale = capacity([load_workload(agentic.workload)], parse_fleet(agentic.fleet)).rate_scale
+    assert 1 / scale < 0.25 and 20 / scale > 2
+
+
+def test_the_families_generator_points_are_each_family_at_four_loads_of_its_capacity() -> None:
+    points = family_points(Path("unused"), (10, 11), lambda name: name.startswith(GENERATORS))
+    assert len(points) == 3 * 2 * 4
+    assert {p.group for p in points} == {f"{f}-{load}" for f in GENERATORS for load, _ in LOADS}
+    assert [p.name for p in points if p.group == "coding-2x"] == ["coding-s10-2x", "coding-s11-2x"]
+    # No name is the router suite's, so the two never read each other's runs.
+    assert not {p.name for p in points} & {p.name for p in router_points(Path("unused.jsonl"), range(15))}
+    by_name = {p.name: p for p in points}
+    minimum = {f.name: f.min_tasks for f in FAMILIES}
+    for family in GENERATORS:
+        for seed in (10, 11):
+            run = [by_name[f"{family}-s{seed}-{load}"] for load, _ in LOADS]
+            # One capacity per run, a rate scale to three figures: the loads are its multiples.
+            one = run[1].rate_scale
+            assert one == float(f"{one:.3g}")
+            assert [p.rate_scale for p in run] == pytest.approx([k * one for _, k in LOADS], rel=1e-9)
+            assert all(p.fleet == FAMILY_FLEET for p in run)
+            assert all(p.workload.startswith(f"{family}:seed={seed},") for p in run)
+        for point in (by_name[f"{family}-s10-{load}"] for load, _ in LOADS):
+            # Five minutes of arrivals at the point's rate at least, and the family's minimum.
+            workload = load_workload(point.workload, rate_scale=point.rate_scale)
+            arrivals = [task.arrival_s for task in workload.tasks()]
+            assert len(arrivals) >= minimum[family]
+            assert arrivals[-1] >= ARRIVALS_S * 0.8
+        # At 5x the minutes set the size, not the minimum: five of them, about.
+        assert arrivals[-1] <= ARRIVALS_S * 1.2
+    # Per second at capacity: coding's workflows are the heaviest, rag-chat's chats the lightest.
+    at_capacity = {
+        f.name: family_runs(f, Path("unused"), (10,))[0].capacity().tasks_per_s
+        for f in FAMILIES
+        if f.name in GENERATORS
+    }
+    assert at_capacity["coding"] < 1 < at_capacity["agentic"] < at_capacity["rag-chat"]
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason=f"no shared traces at {TRACES}")
+def test_the_families_suite_holds_every_family_and_trace_window_at_every_load() -> None:
+    points = family_points(TRACES)
+    families = [f.name for f in FAMILIES]
+    assert families == ["agentic", "coding", "rag-chat", "mooncake", "azure-conv", "azure-code"]
+    assert len(points) == len(families) * 3 * len(LOADS)  # three seeds or windows each
+    groups: dict[str, list[SweepPoint]] = {}
+    for point in points:
+        groups.setdefault(point.group, []).append(point)
+    assert list(groups) == [f"{f}-{load}" for f in families for load, _ in LOADS]
+    assert all(len(group) == 3 for group in groups.values())
+    # The traces: every window whole at every load, with the router suite's deadline; Mooncake's
+    # are the router suite's windows; the Azure traces run on the older pair.
+    mooncake = groups["mooncake-5x"]
+    assert [(p.window, p.limit) for p in mooncake] == list(MOONCAKE_WINDOWS)
+    assert all(p.deadline_s == 30.0 and p.fleet == FAMILY_FLEET for p in mooncake)
+    assert {p.fleet for p in groups["azure-code-1x"] + groups["azure-conv-light"]} == {AZURE_FLEET}
+    # At capacity every trace runs faster than recorded: the hour's rate is light for its fleet.
+    for family in ("mooncake", "azure-conv", "azure-code"):
+        for at, over in zip(groups[f"{family}-1x"], groups[f"{family}-5x"], strict=True):
+            assert 1 < at.rate_scale < 10
+            assert over.rate_scale == pytest.approx(5 * at.rate_scale, rel=1e-9)
+
+
+def test_a_families_sweep_runs_from_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ripplemesh",
+            "sweep",
+            "--suite",
+            "families",
+            "--only",
+            "^coding-s10-5x$",
+            "--policy",
+            "ripplemesh",
+            "--policy",
+            "round_robin",
+            "--admission",
+            "ripplemesh",
+            "--jobs",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    (point,) = family_points(Path("unused"), (10,), lambda name: name == "coding-s10-5x")
+    for policy in ("ripplemesh", "round_robin"):
+        cell = json.loads(cell_path(out, point, "ripplemesh", policy).read_bytes())
+        assert cell["workload"]["rate_scale"] == point.rate_scale
+        assert cell["workload"]["name"] == "coding" and cell["workload"]["seed"] == 10
+    (group,) = json.loads((out / "summary.json").read_bytes())["groups"]
+    assert (group["group"], group["points"]) == ("coding-5x", 1)

@@ -29,7 +29,8 @@ SIM_POLICIES = (
     "fleet_spec",
     required=True,
     help="Pools, e.g. 64xH100, prefill:8xH100,decode:24xH100, 4..32xH100 (autoscaled), "
-    "16xH200/llama-3.1-8b:fp8@2; or a .toml file.",
+    "16xH200/llama-3.1-8b:fp8@2, a pool per model: 2xH100/llama-3.1-8b,2xH100/qwen-7b=llama-3.1-8b "
+    "(MODEL=SHAPE); or a .toml file.",
 )
 @click.option(
     "--policy",
@@ -60,7 +61,9 @@ SIM_POLICIES = (
 @click.option(
     "--block-size", type=int, default=None, help="KV block size (default: the workload's; Mooncake 512)."
 )
-@click.option("--model", default=None, help="The model name requests carry (default: the workload's).")
+@click.option(
+    "--model", default=None, help="The model name requests naming none carry (default: the workload's)."
+)
 @click.option(
     "--deadline", "deadline_s", type=float, default=None, help="Traces: a per-request deadline in seconds."
 )
@@ -151,15 +154,39 @@ def simulate(
 
 @click.command()
 @click.option(
+    "--suite",
+    type=click.Choice(("router", "families")),
+    default="router",
+    show_default=True,
+    help="router: the Mooncake trace and the agentic generator at fixed multiples of their rates; "
+    "families: the agentic, coding and rag-chat generators and the Mooncake and Azure traces, each "
+    "at light load, at capacity and at 2x and 5x (docs/simulator.md).",
+)
+@click.option(
     "--trace",
     type=click.Path(path_type=Path, dir_okay=False),
     default=Path("../shared/traces/conversation_trace.jsonl"),
     show_default=True,
-    help="The Mooncake conversation trace.",
+    help="The router suite: the Mooncake conversation trace.",
 )
-@click.option("--out", type=click.Path(path_type=Path), default=Path("sim-out/sweep"), show_default=True)
 @click.option(
-    "--only", default=None, help="Only the points whose name matches this regex, e.g. 'agentic-s.-x20'."
+    "--traces",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("../shared/traces"),
+    show_default=True,
+    help="The families suite: the folder of the Mooncake and Azure traces.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where the runs go [default: sim-out/sweep, or sim-out/families for the families suite].",
+)
+@click.option(
+    "--only",
+    default=None,
+    help="Only the points whose name matches this regex, e.g. 'agentic-s.-x20', or '-(2x|5x)$' "
+    "for the families' overload points.",
 )
 @click.option(
     "--policy",
@@ -185,22 +212,25 @@ def simulate(
 )
 @click.option(
     "--seeds",
-    default="0-4",
-    show_default=True,
-    help="The agentic generator's seeds, e.g. 10-14: 0-4 are those the router's knobs were "
-    "fitted on, 5-9 those their variants were weighed on again, 10 and up are held out.",
+    default=None,
+    help="The generators' seeds, e.g. 10-14: 0-4 are those the router's knobs were fitted on, "
+    "5-9 those their variants were weighed on again, 10 and up are held out [default: 0-4 for "
+    "the router suite, 10-12 for the families].",
 )
 def sweep(
+    suite: str,
     trace: Path,
-    out: Path,
+    traces: Path,
+    out: Path | None,
     only: str | None,
     policies: tuple[str, ...],
     admissions: tuple[str, ...],
     jobs: int,
     router_config: str | None,
-    seeds: str,
+    seeds: str | None,
 ) -> None:
-    """The router's comparison with the baselines at every rate, window and seed (docs/router.md).
+    """The router's comparison with the baselines at every rate, window and seed (docs/router.md),
+    or every workload family at light load, at capacity and overloaded (--suite families).
 
     Finished runs under --out are read, not run again: delete a policy's files to re-run it."""
     import re
@@ -209,6 +239,10 @@ def sweep(
     from services.simulator.policies import parse_router_config
     from services.simulator.sweep import (
         DEFAULT_ADMISSIONS,
+        FAMILY_SEEDS,
+        FITTED_SEEDS,
+        SweepPoint,
+        family_points,
         parse_seeds,
         router_points,
         run_sweep,
@@ -221,13 +255,27 @@ def sweep(
         for admission in admissions:
             parse_admission(admission)
         config = parse_router_config(router_config)
-        agentic_seeds = parse_seeds(seeds)
+        default_seeds = FAMILY_SEEDS if suite == "families" else FITTED_SEEDS
+        generator_seeds = parse_seeds(seeds) if seeds is not None else default_seeds
     except (re.error, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
-    points = [p for p in router_points(trace, agentic_seeds) if pattern is None or pattern.search(p.name)]
+
+    def wanted(name: str) -> bool:
+        return pattern is None or bool(pattern.search(name))
+
+    points: list[SweepPoint]
+    if suite == "families":
+        out = out or Path("sim-out/families")
+        try:
+            points = family_points(traces, generator_seeds, wanted)
+        except FileNotFoundError as exc:
+            raise click.UsageError(f"{exc} (--traces)") from exc
+    else:
+        out = out or Path("sim-out/sweep")
+        points = [p for p in router_points(trace, generator_seeds) if wanted(p.name)]
     if not points:
         raise click.UsageError(f"no point matches {only!r}")
-    if any(p.workload == str(trace) for p in points) and not trace.is_file():
+    if suite == "router" and any(p.workload == str(trace) for p in points) and not trace.is_file():
         raise click.UsageError(f"the Mooncake trace {trace} is not there (--trace)")
     console = Console()
     try:

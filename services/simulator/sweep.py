@@ -12,6 +12,11 @@ deleting. One margin per point and admission compares ripplemesh with the cheape
 its SLO with the best baseline's); the summary groups the points of a rate, the way the issue's
 targets read them, pooled and as a mean over the points with a 95% interval, which says whether
 the points can tell a margin from their spread (a light-load tie is then a tie).
+
+Two suites of points: `router_points`, the router's comparison (the Mooncake trace and the
+agentic generator at fixed multiples of their rates), and `family_points`, every workload family
+at light load, at capacity and at 2x and 5x overload, capacity being the rate at which the work a
+run offers equals what the fleet serves at its roofline (capacity.py).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +36,7 @@ from rich.table import Table
 from scipy import stats
 
 from services.router.policy import RouterConfig
+from services.simulator.capacity import Capacity, capacity
 from services.simulator.command import parse_window, run_seed
 from services.simulator.core import SimOptions, run_simulation
 from services.simulator.fleet import parse_fleet
@@ -116,6 +122,132 @@ def router_points(trace: Path, seeds: Sequence[int] = FITTED_SEEDS) -> list[Swee
                     scale,
                 )
             )
+    return points
+
+
+# ------------------------------------------------------------------ the families suite
+
+# The fleets: two GPUs of different kinds, each a replica of llama-3.1-8b (bf16), so that every
+# placement weighs a dearer, faster replica against a cheaper one. The Azure traces' requests are
+# short and an hour of either holds few (19,366 and 8,819): on the H100 and H200 a third of one
+# would pass in about 20 s at 5x its capacity, on the older L40S and A100 in about a minute.
+FAMILY_FLEET = "1xH100,1xH200"
+AZURE_FLEET = "1xL40S,1xA100-80GB"
+# The loads, as multiples of each run's capacity (capacity.py): light, at capacity, overloaded.
+LOADS: tuple[tuple[str, float], ...] = (("light", 0.25), ("1x", 1.0), ("2x", 2.0), ("5x", 5.0))
+# The generators' seeds: held out from the router's fitting (docs/experiments.md: 10 and up).
+FAMILY_SEEDS = (10, 11, 12)
+TRACE_DEADLINE_S = 30.0  # the traces carry none: as the router suite's Mooncake points
+# A generator's point holds five minutes of arrivals at its rate (and at least the family's
+# `min_tasks`); a trace's point is its whole window at every load (at 5x, a Mooncake window lasts
+# about 2 minutes, an Azure one about 1: the traces hold no more).
+ARRIVALS_S = 300.0
+# A generator run's capacity is its first this many workflows' (from 100 to 3,000 it moves by a
+# few percent, the mix's draw: the shared prefixes' first use barely counts).
+PROBE_WORKFLOWS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A workload family: a generator (`source` its name; its runs are its seeds) or a trace
+    (`source` the file's name in the traces folder; its runs, `windows`)."""
+
+    name: str
+    source: str
+    fleet: str = FAMILY_FLEET
+    windows: tuple[tuple[str | None, int | None], ...] = ()
+    min_tasks: int = 0  # a generator's points' least number of workflows
+
+
+# The Azure windows are the traces' thirds by request count, as MOONCAKE_WINDOWS are Mooncake's.
+FAMILIES: tuple[Family, ...] = (
+    Family("agentic", "agentic", min_tasks=1000),
+    Family("coding", "coding", min_tasks=100),
+    Family("rag-chat", "rag-chat", min_tasks=2000),
+    Family("mooncake", "conversation_trace.jsonl", windows=MOONCAKE_WINDOWS),
+    Family(
+        "azure-conv",
+        "AzureLLMInferenceTrace_conv.csv",
+        AZURE_FLEET,
+        (("0:1285", None), ("1285:2179", None), ("2179:", None)),
+    ),
+    Family(
+        "azure-code",
+        "AzureLLMInferenceTrace_code.csv",
+        AZURE_FLEET,
+        (("0:1086", None), ("1086:1873", None), ("1873:", None)),
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyRun:
+    """One run of a family, a seed or a window, at the workload's own rate."""
+
+    family: Family
+    tag: str  # s<seed> or w<window>
+    workload: str  # a generator's spec without its size (`coding:seed=10`), or the trace file
+    window: str | None = None
+    deadline_s: float | None = None
+    limit: int | None = None
+
+    def spec(self, workflows: int) -> str:
+        return f"{self.workload},workflows={workflows}" if not self.family.windows else self.workload
+
+    def capacity(self) -> Capacity:
+        """Its capacity on its family's fleet (capacity.py): a trace window's, or a generator's
+        first PROBE_WORKFLOWS workflows'."""
+        workload = load_workload(
+            self.spec(PROBE_WORKFLOWS), window=parse_window(self.window), limit=self.limit
+        )
+        return capacity([workload], parse_fleet(self.family.fleet))
+
+
+def family_runs(family: Family, traces: Path, seeds: Sequence[int] = FAMILY_SEEDS) -> list[FamilyRun]:
+    if not family.windows:
+        return [FamilyRun(family, f"s{seed}", f"{family.source}:seed={seed}") for seed in seeds]
+    return [
+        FamilyRun(family, f"w{index}", str(traces / family.source), window, TRACE_DEADLINE_S, limit)
+        for index, (window, limit) in enumerate(family.windows)
+    ]
+
+
+def _three_figures(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+def family_points(
+    traces: Path, seeds: Sequence[int] = FAMILY_SEEDS, wanted: Callable[[str], bool] | None = None
+) -> list[SweepPoint]:
+    """Every family at every load (LOADS): `<family>-<run>-<load>` (`coding-s10-2x`,
+    `mooncake-w0-light`), grouped as `<family>-<load>`. A run's capacity, as a rate scale
+    rounded to three figures, is computed once for the points `wanted` (by name) keeps."""
+    points = []
+    for family in FAMILIES:
+        for run in family_runs(family, traces, seeds):
+            name = f"{family.name}-{run.tag}"
+            loads = [(load, k) for load, k in LOADS if wanted is None or wanted(f"{name}-{load}")]
+            if not loads:
+                continue
+            if family.windows and not Path(run.workload).is_file():
+                raise FileNotFoundError(f"the {family.name} trace {run.workload} is not there")
+            at_capacity = run.capacity()
+            scale = _three_figures(at_capacity.rate_scale)
+            for load, multiple in loads:
+                rate_scale = float(f"{scale * multiple:.6g}")  # an exact multiple, printed so
+                arrivals = math.ceil(rate_scale * at_capacity.own_rate * ARRIVALS_S)
+                points.append(
+                    SweepPoint(
+                        f"{name}-{load}",
+                        f"{family.name}-{load}",
+                        run.spec(max(family.min_tasks, arrivals)),
+                        family.fleet,
+                        rate_scale,
+                        run.window,
+                        run.limit,
+                        run.deadline_s,
+                    )
+                )
     return points
 
 
