@@ -51,6 +51,7 @@ from services.simulator.worker import StepCost
 from services.simulator.workload import (
     AgenticTenant,
     ListWorkload,
+    SingleRequest,
     Step,
     Tenant,
     load_workload,
@@ -110,10 +111,35 @@ def small_agentic(**overrides: Any) -> AgenticWorkload:
 # ------------------------------------------------------------------ faithful to the sim engine
 
 
+class _BatchLine(SingleRequest):
+    """A request of the batch service class (a Batch API line's), outside a batch job."""
+
+    __slots__ = ()
+    service_class = "batch"
+
+
+class _MixedList(ListWorkload):
+    """ListWorkload whose requests are of the batch class where `batch` says so (by index)."""
+
+    def __init__(self, requests: list[tuple[float, Step]], batch: list[bool], **kwargs: Any):
+        super().__init__(requests, **kwargs)
+        self.batch = batch
+
+    def _builder(self, step: Step) -> Any:
+        def build(arrival: float, index: int) -> SingleRequest:
+            kind = _BatchLine if self.batch[index] else SingleRequest
+            return kind(f"rq{index}", self._tenant.name, self._tenant.priority, arrival, step)
+
+        return build
+
+
 def _engine_reference(
-    requests: list[tuple[float, list[int], int]], kv_capacity: int | None
+    requests: list[tuple[float, list[int], int]],
+    kv_capacity: int | None,
+    batch: list[bool] | None = None,
 ) -> dict[str, tuple]:
-    """Each request served by the real SimEngine on a VirtualClock: first token, finish, GPU-s."""
+    """Each request served by the real SimEngine on a VirtualClock: first token, finish, GPU-s
+    (`batch`: which are of the batch service class)."""
 
     async def main() -> dict[str, tuple]:
         clock = VirtualClock()
@@ -139,6 +165,7 @@ def _engine_reference(
                 block_hashes=chain_block_hashes(prompt, BLOCK, model=MODEL),
                 max_tokens=max_tokens,
                 submitted_at=0.0,
+                service_class="batch" if batch and batch[i] else "interactive",
             )
             result = await engine.prefill(request)
             first = clock.now()
@@ -160,15 +187,32 @@ def _engine_reference(
 
 
 @pytest.mark.parametrize(
-    ("count", "rate", "kv_capacity"),
-    [(60, 20.0, None), (40, 2.0, None), (120, 50.0, 20_000), (80, 100.0, 8_000)],
-    ids=["shared-prefixes", "low-load-long-decodes", "kv-pressure", "heavy-preemption"],
+    ("count", "rate", "kv_capacity", "batch_share"),
+    [
+        (60, 20.0, None, 0.0),
+        (40, 2.0, None, 0.0),
+        (120, 50.0, 20_000, 0.0),
+        (80, 100.0, 8_000, 0.0),
+        (100, 40.0, None, 0.5),
+        (120, 50.0, 20_000, 0.6),
+        (80, 100.0, 8_000, 0.5),
+    ],
+    ids=[
+        "shared-prefixes",
+        "low-load-long-decodes",
+        "kv-pressure",
+        "heavy-preemption",
+        "mixed-classes",
+        "mixed-classes-kv-pressure",
+        "mixed-classes-heavy-preemption",
+    ],
 )
 def test_workers_match_the_sim_engine_request_by_request(
-    count: int, rate: float, kv_capacity: int | None
+    count: int, rate: float, kv_capacity: int | None, batch_share: float
 ) -> None:
     """The simulator's worker (event-driven, steps timed in chunks) against the async SimEngine on
-    a VirtualClock: every request's first token, finish and GPU-seconds, preemptions included."""
+    a VirtualClock: every request's first token, finish and GPU-seconds, preemptions included;
+    with interactive and batch requests mixed, each class's order (interactive first) too."""
     rng = random.Random(count)
     shared = [rng.randrange(300, 600) for _ in range(200)]
     requests: list[tuple[float, list[int], int]] = []
@@ -177,7 +221,8 @@ def test_workers_match_the_sim_engine_request_by_request(
         at += rng.expovariate(rate)
         own = [rng.randrange(300, 600) for _ in range(rng.randint(20, 3000))]
         requests.append((at, shared + own if i % 2 else own, rng.randint(1, 300)))
-    reference = _engine_reference(requests, kv_capacity)
+    batch = [rng.random() < batch_share for _ in requests]
+    reference = _engine_reference(requests, kv_capacity, batch)
     steps = [
         (
             at,
@@ -188,7 +233,7 @@ def test_workers_match_the_sim_engine_request_by_request(
         for at, p, m in requests
     ]
     result, log = run(
-        ListWorkload(steps, block_size=BLOCK, model=MODEL),
+        _MixedList(steps, batch, block_size=BLOCK, model=MODEL),
         fleet(PoolSpec(replicas=1, kv_capacity_tokens=kv_capacity)),
     )
     assert result.preemptions == reference.pop("preemptions")[0]

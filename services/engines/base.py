@@ -138,7 +138,11 @@ class Engine(Protocol):
     async def stop(self) -> None: ...
 
     async def prefill(self, request: InferenceRequest) -> PrefillResult:
-        """Compute the uncached part of the prompt; the sequence stays resident for decode."""
+        """Compute the uncached part of the prompt; the sequence stays resident for decode.
+
+        Waiting work is taken by the request's `service_class`, interactive before batch, in
+        order within a class (services/engines/scheduling.py); the host hands the request over
+        as the router placed it, class included (so does `import_kv`)."""
         ...
 
     async def export_kv(self, request_id: str) -> bytes | None:

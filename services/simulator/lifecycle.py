@@ -7,6 +7,7 @@ once (`RequestRecord`) when its GPU time is all charged."""
 
 from __future__ import annotations
 
+from services.engines.scheduling import class_rank
 from services.router.policy import NoPlacement, RouteRequest
 from services.simulator.records import RequestRecord, _RequestRun, _TaskRun
 from services.simulator.replicas import Fleet
@@ -189,7 +190,9 @@ class Requests(Fleet):
                     placement.predicted_completion_s,
                     placement.indexed_cached_tokens,
                 )
-        seq = Seq(rid, prompt, spec.block_hashes, output, req, kv_import=False)
+        # Its workers schedule it by its service class (services/engines/scheduling.py).
+        rank = class_rank(req.task_run.task.service_class)
+        seq = Seq(rid, prompt, spec.block_hashes, output, req, kv_import=False, rank=rank)
         req.placed = (prefill_worker.worker_id, decode_worker.worker_id)
         req.workers[seq] = prefill_worker
         self._touch(prefill_worker, now)
@@ -260,7 +263,9 @@ class Requests(Fleet):
         self._release(req, seq)
         req.reserved = None
         decode_worker.reserved -= 1
-        imported = Seq(req.rid, seq.prompt_len, seq.hashes, seq.max_tokens, req, kv_import=True)
+        imported = Seq(
+            req.rid, seq.prompt_len, seq.hashes, seq.max_tokens, req, kv_import=True, rank=seq.rank
+        )
         req.workers[imported] = decode_worker
         self._touch(decode_worker, now)
         decode_worker.submit_import(imported, now)

@@ -1,6 +1,7 @@
 """The sim engine's scheduler as plain method calls: `SimEngine._schedule` / `_execute` rule
 for rule (chunked prefill, decodes first, block-by-block growth with recompute preemption of the
-newest sequence, no admissions in a step that preempted, imports that bypass `max_running`) on
+newest sequence of the least urgent class, no admissions in a step that preempted, imports that
+bypass `max_running`, waiting work the more urgent service class first) on
 the engine's own `PerfModel` (through `StepCost`) and `BlockManager`, with the worker's state
 for heartbeats and the simulator's fleet bookkeeping. `SimWorker` (worker.py) adds the chunks of
 steady-decode steps timed ahead and applied lazily.
@@ -16,10 +17,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable
 from typing import Self
 
+from services.engines.scheduling import LEAST_URGENT, RankedQueue
 from services.engines.sim.blocks import BlockManager
 from services.engines.sim.engine import SimEngine
 from services.engines.sim.perf import PerfModel
@@ -32,6 +33,7 @@ from services.simulator.seq import (
     WAITING,
     Seq,
     _order_of,
+    _rank_of,
 )
 from services.simulator.step_cost import StepCost
 
@@ -74,8 +76,12 @@ class Scheduler:
         self.on_import_admitted = on_import_admitted
         # Told when the cache stores a prompt's first block (the simulator's prefix index).
         self.on_first_block = on_first_block
-        self.waiting: deque[Seq] = deque()
-        self.ready: deque[Seq] = deque()
+        # In order within each scheduling rank, the more urgent rank first (SimEngine's).
+        self.waiting: RankedQueue[Seq] = RankedQueue()
+        self.ready: RankedQueue[Seq] = RankedQueue()
+        # A sequence of a rank past 0 has been here: the order by rank can differ from admission
+        # order (until then the steps skip sorting by rank).
+        self.ranked = False
         self.running: dict[Seq, None] = {}  # admission order
         self.prefilling: dict[Seq, None] = {}  # running, not steady decodes, admission order
         # Steady decodes by the residue of their step's token position that starts a KV block
@@ -160,6 +166,8 @@ class Scheduler:
 
     def submit(self, seq: Seq, now: float) -> None:
         """`SimEngine.prefill`: the prompt joins the waiting queue."""
+        if seq.rank:
+            self.ranked = True
         seq.state = WAITING
         seq.enqueued_at = now
         self.waiting.append(seq)
@@ -169,6 +177,8 @@ class Scheduler:
         """`SimEngine.import_kv`: a prefilled request's KV is to arrive; it waits for blocks."""
         seq.kv_import = True
         seq.first_done = True
+        if seq.rank:
+            self.ranked = True
         seq.state = WAITING
         seq.enqueued_at = now
         self.waiting.append(seq)
@@ -291,25 +301,43 @@ class Scheduler:
 
     def _grow_exact(self) -> bool:
         """SimEngine._schedule step 2 when the free blocks may not cover this step's boundary
-        crossings: decodes in admission order, preempting the newest sequence until each fits."""
+        crossings: decodes the more urgent class first, in admission order within a class,
+        preempting the newest sequence of the least urgent class (`_victim`) until each fits."""
         running = self.running
         blocks = self.blocks
         k = self.k
         size = self.block_size
         preempted = False
-        for seq in list(running):
+        for seq in sorted(running, key=_rank_of) if self.ranked else list(running):
             if seq.state != RUNNING or not seq.dec:
                 continue
             computed = seq.base + k
             if computed % size:
                 continue
             while not blocks.grow(seq.rid, computed + 1):
-                victim = next(reversed(running))
+                victim = self._victim(seq)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
         return preempted
+
+    def _victim(self, seq: Seq) -> Seq:
+        """SimEngine._victim: the most recently admitted running sequence of the least urgent
+        class, but for the steady decodes before `seq` in the step's order (by class, then
+        admission). With one class, the newest."""
+        if not self.ranked:
+            return next(reversed(self.running))
+        rank, order = seq.rank, seq.order
+        victim = seq
+        for other in reversed(self.running):  # the newest first
+            if other.dec and (other.rank < rank or (other.rank == rank and other.order < order)):
+                continue  # its token is in the step already
+            if other.rank > victim.rank or (other.rank == victim.rank and other.order > victim.order):
+                victim = other
+                if victim.rank == LEAST_URGENT:
+                    break
+        return victim
 
     # ------------------------------------------------------------ the scheduler
 
@@ -355,12 +383,13 @@ class Scheduler:
                 budget -= take
                 if budget <= 0:
                     break
-        # 4. New prompts, in order, while there is room; none in a step that preempted.
+        # 4. New prompts, the more urgent class first and in order within it, while there is
+        # room; none in a step that preempted.
         blocked = True  # the waiting queue's head cannot start until a sequence leaves
         if not preempted:
             waiting = self.waiting
             while waiting and budget > 0:
-                seq = waiting[0]
+                seq = waiting.head()
                 imported = seq.kv_import
                 if not imported and len(running) >= self.max_running:
                     break

@@ -37,12 +37,21 @@ class Seq:
         "preemptions",
         "prefill_s",
         "prompt_len",
+        "rank",
         "rid",
         "state",
     )
 
     def __init__(
-        self, rid: str, prompt_len: int, hashes: list[int], max_tokens: int, owner: Any, *, kv_import: bool
+        self,
+        rid: str,
+        prompt_len: int,
+        hashes: list[int],
+        max_tokens: int,
+        owner: Any,
+        *,
+        kv_import: bool,
+        rank: int = 0,
     ):
         self.rid = rid
         self.prompt_len = prompt_len
@@ -50,6 +59,8 @@ class Seq:
         self.max_tokens = max_tokens
         self.owner = owner
         self.kv_import = kv_import
+        # Its scheduling rank (services/engines/scheduling.py, its service class's): 0 first.
+        self.rank = rank
         self.state = WAITING
         self.computed = 0
         self.generated = 0
@@ -74,3 +85,7 @@ class Seq:
 
 def _order_of(seq: Seq) -> int:
     return seq.order
+
+
+def _rank_of(seq: Seq) -> int:
+    return seq.rank

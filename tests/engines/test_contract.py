@@ -173,6 +173,43 @@ async def test_concurrent_requests_all_complete(kit: EngineKit, new_engine: Engi
     assert snapshot.running == 0 and snapshot.queue_depth == 0
 
 
+async def test_an_interactive_request_goes_before_queued_batch_lines(
+    kit: EngineKit, new_engine: EngineMaker
+) -> None:
+    """Waiting work is served interactive first (services/engines/scheduling.py): a request
+    arriving while Batch API lines queue has its first token before the last of them, as it would
+    not first come, first served. The lines' prompts overflow one step's token budget (the sim
+    engine's 8192), so some are still waiting when it comes."""
+    engine = await new_engine()
+    prompt_len = kit.max_context_tokens * 5 // 8
+    lines = [
+        msgspec.structs.replace(
+            kit.request(f"c-batch-{i}", kit.tokens(120 + i, prompt_len), max_tokens=2), service_class="batch"
+        )
+        for i in range(8)
+    ]
+    interactive = kit.request("c-interactive", kit.tokens(130, prompt_len), max_tokens=2)
+    order: list[str] = []
+
+    async def first_token(request: InferenceRequest) -> None:
+        await engine.prefill(request)
+        order.append(request.request_id)
+
+    queued = [asyncio.create_task(first_token(line)) for line in lines]
+    # Until the engine has taken lines from its queue (without letting a virtual clock run).
+    for _ in range(100_000):
+        await asyncio.sleep(0 if kit.kind == "sim" else 0.001)
+        if engine.snapshot().queue_depth < len(lines):
+            break
+    waiting = engine.snapshot().queue_depth
+    await asyncio.wait_for(asyncio.gather(first_token(interactive), *queued), timeout=300)
+    if kit.kind == "vllm" and waiting == 0:
+        pytest.skip("vLLM scheduled every line before the interactive request came")
+    assert order.index(interactive.request_id) < order.index(lines[-1].request_id), order
+    for request in (*lines, interactive):
+        engine.release(request.request_id)
+
+
 async def test_gpu_seconds_are_split_into_prefill_and_decode(kit: EngineKit, new_engine: EngineMaker) -> None:
     engine = await new_engine()
     request = kit.request("c-gpu", kit.tokens(8, 50), max_tokens=6)

@@ -8,6 +8,7 @@ import asyncio
 import io
 import time
 
+import msgspec
 import pytest
 from rich.console import Console
 
@@ -272,6 +273,73 @@ async def test_preemption_takes_the_most_recently_admitted_sequence() -> None:
     second = asyncio.create_task(serve(e, request("new", prompt_of(21, 100), max_tokens=150)))
     await asyncio.gather(first, second)
     assert order and order[0] == "new"
+    await e.stop()
+
+
+# ------------------------------------------------------------------ scheduling by service class
+
+
+def of_class(r: InferenceRequest, service_class: str) -> InferenceRequest:
+    return msgspec.structs.replace(r, service_class=service_class)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("queued", "late", "late_first"),
+    [("batch", "interactive", True), ("batch", "batch", False), ("interactive", "interactive", False)],
+)
+async def test_an_interactive_request_behind_queued_batch_requests_gets_its_first_token_first(
+    queued: str, late: str, late_first: bool
+) -> None:
+    """Four 1,000-token prompts queue on a 256-token step budget; a short one comes during the
+    first step. Interactive behind batch: it is prefilled as soon as the prompt being chunked
+    leaves budget, before the three still waiting. Of one class: first come, first served."""
+    clock = VirtualClock()
+    e = engine(clock=clock, max_batch_tokens=256)
+    await e.start()
+    first_at: dict[str, float] = {}
+
+    async def one(r: InferenceRequest, at: float) -> None:
+        await clock.sleep(at)
+        await e.prefill(r)
+        first_at[r.request_id] = clock.now()
+        e.release(r.request_id)
+
+    lines = [of_class(request(f"q{i}", prompt_of(60 + i, 1000)), queued) for i in range(4)]
+    short = of_class(request("late", prompt_of(70, 100)), late)
+    step = e.perf.step_seconds([Part(256, 0)])
+    await asyncio.gather(*(one(r, 0.0) for r in lines), one(short, step / 2))
+    order = sorted(first_at, key=first_at.__getitem__)
+    if late_first:
+        assert order == ["q0", "late", "q1", "q2", "q3"]  # q0 was being prefilled already
+        assert first_at["late"] < first_at["q1"] - 2 * step
+    else:
+        assert order == ["q0", "q1", "q2", "q3", "late"]
+    await e.stop()
+
+
+async def test_preemption_takes_a_batch_sequence_before_an_interactive_one() -> None:
+    """Short of KV blocks, the batch sequence is preempted though the interactive one came later
+    (with one class, the most recently admitted would be)."""
+    e = engine(kv_capacity_tokens=24 * BLOCK)
+    await e.start()
+    order: list[str] = []
+    original = e._preempt
+
+    def record(seq):  # type: ignore[no-untyped-def]
+        order.append(seq.request_id)
+        original(seq)
+
+    e._preempt = record  # type: ignore[method-assign]
+    first = asyncio.create_task(
+        serve(e, of_class(request("old", prompt_of(20, 100), max_tokens=150), "batch"))
+    )
+    await asyncio.sleep(0)
+    while e.stats.steps < 3:
+        await asyncio.sleep(0.001)
+    second = asyncio.create_task(serve(e, request("new", prompt_of(21, 100), max_tokens=150)))
+    old, new = await asyncio.gather(first, second)
+    assert order and order[0] == "old"
+    assert len(old) == len(new) == 150
     await e.stop()
 
 

@@ -2,6 +2,8 @@
 
 Scheduling. One scheduler task (like the sim engine's) alternates, while there is work, between
 one waiting prefill and one decode step for every decoding sequence (up to `max_running`). The
+waiting prefill taken is the oldest of the most urgent service class (an interactive request
+before a Batch API line: services/engines/scheduling.py). The
 forward passes themselves run on one dedicated compute thread, so the event loop (heartbeats,
 token streaming, NATS) stays responsive, and torch sees one caller at a time.
 
@@ -36,7 +38,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,6 +67,7 @@ from services.engines.hf.model import (
     timed,
     token_logprobs,
 )
+from services.engines.scheduling import RankedQueue, scheduling_rank
 from services.mesh.block_hash import chain_block_hashes
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,10 @@ class _Sequence:
     @property
     def adapter(self) -> str | None:
         return self.request.adapter
+
+    @property
+    def rank(self) -> int:
+        return scheduling_rank(self.request)
 
 
 def _seed(request_id: str) -> int:
@@ -180,7 +187,7 @@ class HfEngine:
         self.stats = HfStats()
         self._batch = DecodeBatch(self.lm)
         self._executor: ThreadPoolExecutor | None = None
-        self._waiting: deque[_Sequence] = deque()
+        self._waiting: RankedQueue[_Sequence] = RankedQueue()  # by class, then in order
         self._resident: dict[str, _Sequence] = {}
         self._decoding: dict[str, _Sequence] = {}
         # GPU time of released requests until asked for (bounded: a prefill worker never asks).

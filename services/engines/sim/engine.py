@@ -4,12 +4,16 @@ One module because the scheduler loop and its sequences are one state machine; t
 stand alone are already apart: the roofline model (perf.py), the paged cache (blocks.py) and
 constrained outputs (synthetic.py).
 
-One scheduler loop runs steps as a serving engine does (vLLM's, with chunked prefill):
+One scheduler loop runs steps as a serving engine does (vLLM's, with chunked prefill and its
+priority scheduling policy). Waiting work is taken a more urgent service class first (an
+interactive request before a Batch API line; services/engines/scheduling.py), in order within a
+class:
 1. sequences whose decode was asked for join the running batch (up to `max_running`);
 2. every running decode gets one token of the step's token budget, and the KV block that token
    needs when it crosses a block boundary. When no block is left, the most recently admitted
-   running sequence is preempted, recompute-style: its blocks are freed and it goes back to the
-   head of the waiting queue, to prefill its prompt and the tokens it has generated again (its
+   running sequence of the least urgent class (of those not yet given their token this step) is
+   preempted, recompute-style: its blocks are freed and it goes back to the head of its class
+   in the waiting queue, to prefill its prompt and the tokens it has generated again (its
    cached prefix blocks usually still hit), after which its stream goes on where it stopped;
 3. prompts being prefilled continue, chunked to the budget left;
 4. waiting prompts are admitted in order while the budget, `max_running` and the KV cache allow:
@@ -31,9 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import math
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -51,6 +56,7 @@ from services.engines.base import (
     RealClock,
     check_request,
 )
+from services.engines.scheduling import RankedQueue, scheduling_rank
 from services.engines.sim.blocks import BlockManager
 from services.engines.sim.perf import MBU, MFU, STEP_OVERHEAD_S, PerfModel
 from services.engines.sim.profiles import gpu, model_shape
@@ -114,6 +120,8 @@ class _Sequence:
     request: InferenceRequest
     seed: int
     prompt_len: int
+    rank: int = 0  # its scheduling rank (services/engines/scheduling.py): 0, the most urgent
+    order: int = 0  # when it (last) joined the running batch
     # A resumed request's output so far (the tail of its prompt): its tokens continue from there.
     output_offset: int = 0
     # The whole output of a constrained request (a tool call, JSON), token by token.
@@ -153,6 +161,10 @@ class _Sequence:
     def output_complete(self) -> bool:
         """A constrained output whose last token has been sampled: the model stops there."""
         return self.forced is not None and self.output_offset + self.generated >= len(self.forced)
+
+
+def _rank_of(seq: _Sequence) -> int:
+    return seq.rank
 
 
 @dataclass
@@ -226,9 +238,12 @@ class SimEngine:
         self.max_running = max_running
         self.max_context_tokens = max_context_tokens
         self.stats = SimStats()
-        self._waiting: deque[_Sequence] = deque()  # to prefill (or import), in order
-        self._ready: deque[_Sequence] = deque()  # prefilled, decode asked for, not yet running
+        # To prefill (or import), and prefilled with decode asked for but not yet running: in
+        # order within each scheduling rank, the more urgent rank first.
+        self._waiting: RankedQueue[_Sequence] = RankedQueue()
+        self._ready: RankedQueue[_Sequence] = RankedQueue()
         self._running: list[_Sequence] = []  # in admission order
+        self._admissions = itertools.count()  # numbers the admissions (`_Sequence.order`)
         self._resident: dict[str, _Sequence] = {}
         self._finished: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._wake = asyncio.Event()
@@ -296,6 +311,7 @@ class SimEngine:
             request=request,
             seed=seed,
             prompt_len=len(request.prompt_tokens),
+            rank=scheduling_rank(request),
             output_offset=offset,
         )
         if request.constraint is not None:
@@ -485,6 +501,7 @@ class SimEngine:
 
     def _admit(self, seq: _Sequence) -> None:
         seq.state = "running"
+        seq.order = next(self._admissions)
         self._running.append(seq)
 
     def _preempt(self, seq: _Sequence) -> None:
@@ -497,6 +514,23 @@ class SimEngine:
         self.stats.preemptions += 1
         self._waiting.appendleft(seq)
 
+    def _victim(self, seq: _Sequence) -> _Sequence:
+        """Whom to preempt for the block `seq`'s decode needs: the most recently admitted running
+        sequence of the least urgent class, but for the decodes before `seq` in this step's
+        order (they have their token in the step already). With one class, the newest."""
+        key = (seq.rank, seq.order)
+        victim = seq
+        for other in reversed(self._running):  # the newest first
+            if (
+                other.decoding
+                and other.prompt_len + other.generated - other.computed == 1
+                and (other.rank, other.order) < key
+            ):
+                continue
+            if other.rank > victim.rank or (other.rank == victim.rank and other.order > victim.order):
+                victim = other
+        return victim
+
     def _schedule(self) -> list[tuple[_Sequence, int]]:
         """This step's batch: (sequence, tokens to compute) pairs."""
         budget = self.max_batch_tokens
@@ -505,31 +539,32 @@ class SimEngine:
         # 1. Decodes asked for join the batch; they already hold their prompt's blocks.
         while self._ready and len(self._running) < self.max_running:
             self._admit(self._ready.popleft())
-        # 2. Decodes, oldest first, each with the block its token needs (a new one when the
-        # token starts a block).
+        # 2. Decodes, the more urgent class first and oldest first within it, each with the
+        # block its token needs (a new one when the token starts a block).
         block_size = self.info.block_size
         running = self._running
-        index = 0
-        while index < len(running) and budget > 0:
-            seq = running[index]
-            if not seq.decoding or seq.prompt_len + seq.generated - seq.computed != 1:
-                index += 1
-                continue
+        decodes = [s for s in running if s.decoding and s.prompt_len + s.generated - s.computed == 1]
+        decodes.sort(key=_rank_of)
+        for seq in decodes:
+            if budget <= 0:
+                break
+            if seq.state != "running":
+                continue  # preempted for the block of a decode before it
             if seq.computed % block_size == 0:
                 while not self.blocks.grow(seq.request.request_id, seq.computed + 1):
-                    victim = running[-1]
+                    victim = self._victim(seq)
                     self._preempt(victim)
                     if victim is seq:
                         break
                 else:
                     batch.append((seq, 1))
                     budget -= 1
-                    index += 1
             else:
                 batch.append((seq, 1))
                 budget -= 1
-                index += 1
-        # 3. Prompts part-way through their prefill (or recompute) continue.
+        # 3. Prompts part-way through their prefill (or recompute) continue. (There is one at
+        # most: of the prompts given budget in a step only the last can stop short. So the
+        # order by class is the waiting queue's, step 4.)
         for seq in running:
             if budget <= 0:
                 break
@@ -537,10 +572,11 @@ class SimEngine:
                 take = min(seq.prompt_len + seq.generated - seq.computed, budget)
                 batch.append((seq, take))
                 budget -= take
-        # 4. New prompts, in order, while there is room; none in a step that had to preempt (as
-        # vLLM does: the KV is short, admitting more would only preempt again).
+        # 4. New prompts, the more urgent class first and in order within it, while there is
+        # room; none in a step that had to preempt (as vLLM does: the KV is short, admitting
+        # more would only preempt again).
         while self._waiting and budget > 0 and preemptions == self.stats.preemptions:
-            seq = self._waiting[0]
+            seq = self._waiting.head()
             if not seq.kv_import and len(self._running) >= self.max_running:
                 break
             tokens = len(seq.request.prompt_tokens) if seq.kv_import else seq.num_tokens

@@ -11,6 +11,12 @@ published on a private ZMQ socket. Requests go in as token ids (a `TokensPrompt`
 `SamplingParams(max_tokens, temperature, output_kind=DELTA)`; every streamed `RequestOutput`
 carries the new tokens since the previous one.
 
+Scheduling order: vLLM's `scheduling_policy="priority"`, each request submitted with its service
+class's rank as its `priority` (services/engines/scheduling.py: an interactive request, 0, before
+a Batch API line, 1; first come first served within a class). vLLM's scheduler then takes its
+waiting requests by (priority, arrival) and, short of KV blocks, preempts the running request of
+the least urgent class that arrived last, as the sim engine does.
+
 Roles (`role=`):
 - "aggregated": prefill and decode here, no KV connector. `prefill()` starts the generation and
   returns at the first token; `decode()` goes on reading the same stream.
@@ -77,6 +83,7 @@ from services.engines.base import (
     PrefillResult,
     check_request,
 )
+from services.engines.scheduling import scheduling_rank
 from services.engines.vllm.accounting import (
     SchedulerView,
     SequenceLoad,
@@ -291,6 +298,9 @@ class VllmEngine:
             "tensor_parallel_size": self.tensor_parallel,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "disable_log_stats": False,  # per-request timestamps and scheduler stats
+            # Waiting requests by (priority, arrival): interactive before batch (the `priority`
+            # each request is generated with, `scheduling_rank`).
+            "scheduling_policy": "priority",
             "kv_events_config": api.KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",
@@ -627,7 +637,12 @@ class VllmEngine:
         try:
             lora = self._lora_request(seq.request.adapter)
             async for output in llm.generate(
-                prompt, params, seq.request.request_id, lora_request=lora, trace_headers=trace
+                prompt,
+                params,
+                seq.request.request_id,
+                lora_request=lora,
+                trace_headers=trace,
+                priority=scheduling_rank(seq.request),
             ):
                 seq.outputs.put_nowait(output)
         except asyncio.CancelledError:
