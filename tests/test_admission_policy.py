@@ -3,6 +3,7 @@ queuing, deadline feasibility, workflow protection, bounded deferral."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -34,6 +35,7 @@ from services.admission.policy import (
     leasable,
     lease_slice,
     next_due,
+    note_finished,
     observe_fleet,
     release,
     return_lease,
@@ -652,3 +654,29 @@ def test_every_offered_request_is_decided_once_and_none_after_its_deadline(
             assert at < deadline_at
         if deadline_at is not None:
             assert at <= deadline_at
+
+
+def test_batch_lines_admitted_since_the_heartbeat_are_no_queue_ahead_of_an_interactive_request() -> None:
+    # The engines run an interactive request ahead of waiting Batch API lines: a burst of lines
+    # the runner just released must not make admission defer the next chat request, while the
+    # next line sees them all ahead of it.
+    state = AdmissionState()
+    observe_fleet(state, fleet(waiting=0, workers=2))
+    per = 2 * LIMITS.queue_per_worker
+    for _ in range(6):
+        decide_open(state, dataclasses.replace(request(priority="sheddable"), service_class="batch"))
+    assert state.admitted_since == state.batch_admitted_since == 6
+    assert saturation(state, LIMITS, service_class="batch") == pytest.approx(6 / per)
+    assert saturation(state, LIMITS) == 0.0
+    chat = request(priority="sheddable")
+    assert isinstance(decide_open(state, chat), Admit)
+    # One interactive admitted since: it is ahead of the next of either class.
+    assert saturation(state, LIMITS) == pytest.approx(1 / per)
+    assert saturation(state, LIMITS, service_class="batch") == pytest.approx(7 / per)
+    # Finished lines free the batch's count only.
+    note_finished(state, 4, batch=4)
+    assert saturation(state, LIMITS) == pytest.approx(1 / per)
+    assert saturation(state, LIMITS, service_class="batch") == pytest.approx(3 / per)
+    # A fresh heartbeat holds them (in its queue depth) and the counts start again.
+    observe_fleet(state, fleet(waiting=2, workers=2))
+    assert state.batch_admitted_since == state.batch_finished_since == 0

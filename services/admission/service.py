@@ -130,6 +130,7 @@ OWN_IDS_KEPT = 20_000
 
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _throttle_decoder = msgspec.json.Decoder(TenantThrottle)
+_admitted_decoder = msgspec.json.Decoder(RequestAdmitted)
 _encoder = msgspec.json.Encoder()
 
 
@@ -170,8 +171,9 @@ class AdmissionService:
         self._waiters: dict[str, asyncio.Future[Admit | Reject]] = {}
         self._requests: dict[str, InferenceRequest] = {}  # deferred (and being decided)
         self._wake = asyncio.Event()
-        self._recent_admitted: deque[float] = deque()
-        self._recent_finished: deque[float] = deque()
+        # When requests were admitted and finished lately, and whether each was a Batch API line.
+        self._recent_admitted: deque[tuple[float, bool]] = deque()
+        self._recent_finished: deque[tuple[float, bool]] = deque()
         self._own: OrderedDict[str, None] = OrderedDict()  # ids of RequestAdmitted we published
         self._capacity_wanted_at: dict[str, float] = {}
         self._throttles: dict[
@@ -297,11 +299,12 @@ class AdmissionService:
     def refresh(self, now: float) -> None:
         """The fleet as the latest heartbeats tell it, with what happened since they were sent."""
         for recent in (self._recent_admitted, self._recent_finished):
-            while recent and recent[0] < now - HEARTBEAT_S:
+            while recent and recent[0][0] < now - HEARTBEAT_S:
                 recent.popleft()
         observe_fleet(self.state, fleet_load(self.router_state.workers.values(), now))
-        note_admitted(self.state, len(self._recent_admitted))
-        note_finished(self.state, len(self._recent_finished))
+        admitted, finished = self._recent_admitted, self._recent_finished
+        note_admitted(self.state, len(admitted), batch=sum(batch for _, batch in admitted))
+        note_finished(self.state, len(finished), batch=sum(batch for _, batch in finished))
         value = saturation(self.state, self.limits)
         self.state.saturation = value
         SATURATION.set(value)
@@ -317,8 +320,12 @@ class AdmissionService:
         event_id = (msg.headers or {}).get("Nats-Msg-Id", "")
         if event_id in self._own:
             return
-        self._recent_admitted.append(time.time())
-        note_admitted(self.state)
+        try:
+            batch = _admitted_decoder.decode(msg.data).request.service_class == "batch"
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            batch = False  # counted as interactive: the fleet's load, not this request, matters
+        self._recent_admitted.append((time.time(), batch))
+        note_admitted(self.state, batch=int(batch))
 
     async def _on_finished(self, msg: Msg) -> None:
         """A request ended: the fleet has room again, and its concurrency lease goes back."""
@@ -330,8 +337,10 @@ class AdmissionService:
             return
         if isinstance(event, RequestRejected) and event.stage != "router":
             return  # never admitted (or rejected by admission, which gave the lease back)
-        self._recent_finished.append(time.time())
-        note_finished(self.state)
+        # A cancel carries no class: a client's own request.
+        batch = getattr(event, "service_class", "interactive") == "batch"
+        self._recent_finished.append((time.time(), batch))
+        note_finished(self.state, batch=int(batch))
         self._wake.set()
         quota = self._quotas.get(event.tenant)
         if quota is not None and quota.max_concurrency is not None:
@@ -362,6 +371,7 @@ class AdmissionService:
             workflow_standing=workflow_standing(workflow.step if workflow is not None else None, spend),
             workflow_spent_usd=spend.spend_usd if spend is not None else 0.0,
             size_bytes=deferred_size(request),
+            service_class=request.service_class,
         )
 
     def _predict(self, request: AdmissionRequest) -> Prediction | None:
@@ -520,9 +530,10 @@ class AdmissionService:
         self._own[event_id] = None  # before the publish: its echo may come back first
         while len(self._own) > OWN_IDS_KEPT:
             self._own.popitem(last=False)
-        self._recent_admitted.append(now)
+        batch = request.service_class == "batch"
+        self._recent_admitted.append((now, batch))
         if not self.limits.controls_load:
-            note_admitted(self.state)  # drain counts its own admissions
+            note_admitted(self.state, batch=int(batch))  # drain counts its own admissions
         await self.runtime.bus.publish(
             admitted_subject(request.priority),
             RequestAdmitted(

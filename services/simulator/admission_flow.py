@@ -97,6 +97,7 @@ class AdmissionFlow(Requests):
             workflow_spent_usd=task_run.spend,
             # About what the mesh holds for a deferred request: its RequestPrepared, JSON.
             size_bytes=600 + 6 * spec.prompt_tokens + 20 * len(spec.block_hashes),
+            service_class=task.service_class,
         )
 
     def _predict(self, request: AdmissionRequest) -> Prediction | None:
@@ -158,6 +159,7 @@ class AdmissionFlow(Requests):
             self.slo_by_priority[task.priority][0] += 1
             self.by_tenant[task.tenant].slo_met += 1
         if admitted:
-            admission_policy.note_finished(self.admission)
+            batch = 1 if task.service_class == "batch" else 0
+            admission_policy.note_finished(self.admission, batch=batch)
             if self.admission.deferred:
                 self._schedule_admission(now)

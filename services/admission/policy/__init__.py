@@ -71,6 +71,7 @@ from services.admission.policy.quota import (
     validate,
 )
 from services.admission.policy.saturation import (
+    count_admitted,
     decode_step_s,
     fleet_load,
     note_admitted,
@@ -132,6 +133,7 @@ __all__ = [
     "TenantQuota",
     "TenantUsage",
     "charge_quota",
+    "count_admitted",
     "decide",
     "decode_step_s",
     "drain",

@@ -20,7 +20,7 @@ from services.admission.policy.queue import (
     tags,
 )
 from services.admission.policy.quota import TenantUsage, charge_quota, release_quota, validate
-from services.admission.policy.saturation import saturation
+from services.admission.policy.saturation import count_admitted, saturation
 from services.admission.policy.state import AdmissionState
 from services.admission.policy.types import (
     AdmissionLimits,
@@ -133,17 +133,17 @@ def offer(
         due = due_at(request, limits, now, prediction)
         if due > now:  # else it expires at once in `drain`
             bound = limits.admit_below(request.priority, request.workflow_standing)
-            if not predicted and saturation(state, limits) < bound:
+            if not predicted and saturation(state, limits, service_class=request.service_class) < bound:
                 prediction, predicted = predict(request), True
             if predicted:
-                value = saturation(state, limits, prediction)
+                value = saturation(state, limits, prediction, request.service_class)
                 if value < bound:
                     state.saturation = value
                     start, finish = tags(state, request, weight)
                     state._seq += 1
                     state._last_finish[(request.priority, request.tenant)] = finish
                     state._virtual[request.priority] = max(state._virtual.get(request.priority, 0.0), start)
-                    state.admitted_since += 1
+                    count_admitted(state, request)
                     return Admit(0.0, "admitted")
     # Not yet predicted (lazy): `drain` predicts it when it reaches the head.
     entry = enqueue(state, request, weight, limits, now, prediction, now if predicted else -math.inf)
@@ -181,7 +181,7 @@ def drain(
         if request.deadline_at is None and head.predicted_at != now:
             # Without a deadline the prediction only adds its wait to the saturation: when the
             # fleet is over the bound without it, the answer is the same and it is not needed.
-            value = saturation(state, limits)
+            value = saturation(state, limits, service_class=request.service_class)
             if value >= bound:
                 state.saturation = value
                 break
@@ -207,7 +207,7 @@ def drain(
                 )
             )
             continue
-        value = saturation(state, limits, prediction)
+        value = saturation(state, limits, prediction, request.service_class)
         state.saturation = value
         if value >= bound:
             break
@@ -219,6 +219,6 @@ def drain(
         state._virtual[request.priority] = max(state._virtual.get(request.priority, 0.0), served)
         key = (request.priority, request.tenant)
         state._last_finish[key] = max(state._last_finish.get(key, 0.0), head.finish)
-        state.admitted_since += 1
+        count_admitted(state, request)
         waited = now - head.offered_at
         state.outcomes.append(Outcome(request, Admit(waited, "after_deferral" if waited > 0 else "admitted")))

@@ -62,29 +62,48 @@ def prediction(
 def observe_fleet(state: AdmissionState, fleet: FleetLoad) -> None:
     """A fresh view of the workers: what was admitted or finished before it is in it."""
     state.fleet = fleet
-    state.admitted_since = 0
-    state.finished_since = 0
+    state.admitted_since = state.batch_admitted_since = 0
+    state.finished_since = state.batch_finished_since = 0
 
 
-def note_admitted(state: AdmissionState, count: int = 1) -> None:
-    """Another replica admitted requests (this state counts its own)."""
+def note_admitted(state: AdmissionState, count: int = 1, *, batch: int = 0) -> None:
+    """Another replica admitted `count` requests, `batch` of them Batch API lines (this state
+    counts its own: `count_admitted`)."""
     state.admitted_since += count
+    state.batch_admitted_since += batch
 
 
-def note_finished(state: AdmissionState, count: int = 1) -> None:
+def count_admitted(state: AdmissionState, request: AdmissionRequest) -> None:
+    """This state admitted `request`."""
+    note_admitted(state, batch=1 if request.service_class == "batch" else 0)
+
+
+def note_finished(state: AdmissionState, count: int = 1, *, batch: int = 0) -> None:
     state.finished_since += count
+    state.batch_finished_since += batch
 
 
-def saturation(state: AdmissionState, limits: AdmissionLimits, prediction: Prediction | None = None) -> float:
-    """1.0 is the fleet at its target load: the largest of KV usage over `kv_high`, requests
-    waiting per live worker (heartbeats, plus admitted, minus finished since) over
-    `queue_per_worker`, the time per output token (`decode_step_s`) over `tpot_high_s`, and the
-    predicted wait for the first token (queueing, not the request's own prefill: a long prompt
-    on an idle fleet is no load) over `wait_high_s`. inf with no live worker."""
+def saturation(
+    state: AdmissionState,
+    limits: AdmissionLimits,
+    prediction: Prediction | None = None,
+    service_class: str = "interactive",
+) -> float:
+    """1.0 is the fleet at its target load for a request of `service_class`: the largest of KV
+    usage over `kv_high`, requests waiting per live worker (heartbeats, plus admitted, minus
+    finished since) over `queue_per_worker`, the time per output token (`decode_step_s`) over
+    `tpot_high_s`, and the predicted wait for the first token (queueing, not the request's own
+    prefill: a long prompt on an idle fleet is no load) over `wait_high_s`. inf with no live
+    worker. For an interactive request the Batch API lines admitted since the heartbeats are
+    not waiting ahead of it (the engines run it first); they still load the decode steps."""
     fleet = state.fleet
     if fleet is None or fleet.workers == 0:
         return math.inf
-    waiting = max(0, fleet.waiting + state.admitted_since - state.finished_since)
+    admitted, finished = state.admitted_since, state.finished_since
+    if service_class != "batch":
+        admitted -= state.batch_admitted_since
+        finished -= state.batch_finished_since
+    waiting = max(0, fleet.waiting + admitted - finished)
     value = max(
         fleet.kv_utilisation / limits.kv_high,
         waiting / (fleet.workers * limits.queue_per_worker),

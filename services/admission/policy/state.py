@@ -46,6 +46,9 @@ class AdmissionState:
     # Requests admitted (by any replica) and finished since `fleet` was observed.
     admitted_since: int = 0
     finished_since: int = 0
+    # ... of them Batch API lines (no queue ahead of an interactive request: `saturation`).
+    batch_admitted_since: int = 0
+    batch_finished_since: int = 0
     saturation: float = 0.0  # the last computed (a metric)
     deferred: dict[str, Entry] = field(default_factory=dict)
     deferred_bytes: int = 0

@@ -126,6 +126,9 @@ class AdmissionRequest:
     workflow_standing: int = NEW  # workflow_standing(...)
     workflow_spent_usd: float = 0.0
     size_bytes: int = 0  # what holding it deferred costs in memory
+    # "batch" (a Batch API line) or "interactive": the engines run an interactive request ahead
+    # of waiting batch lines (services/engines/scheduling.py), so those are no queue ahead of it.
+    service_class: str = "interactive"
 
     @property
     def tokens(self) -> int:
