@@ -47,8 +47,11 @@ def test_a_day_with_a_batch_keeps_the_interactive_slo_and_finishes_the_batch(tmp
 
 def test_the_classes_add_up_and_the_interactive_workload_is_the_same() -> None:
     config = DayConfig(rate=0.2, lines=60, day_s=900.0)
-    alone, mixed = run_day(config, 1)
+    day = run_day(config, 1)
+    alone, mixed = day.alone, day.mixed
     assert alone.by_class[INTERACTIVE_CLASS]["requests"] == mixed.by_class[INTERACTIVE_CLASS]["requests"]
+    # The exact p99 is over every interactive first token, and none of the batch's.
+    assert len(day.ttft_alone_s) == len(day.ttft_mixed_s) == alone.by_class[INTERACTIVE_CLASS]["requests"]
     assert BATCH_CLASS not in alone.by_class and alone.batch is None
     assert mixed.requests == sum(c["requests"] for c in mixed.by_class.values())
     assert mixed.tasks_succeeded == sum(c["tasks_succeeded"] for c in mixed.by_class.values())
