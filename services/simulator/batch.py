@@ -32,7 +32,7 @@ from services.admission.policy import AdmissionRequest
 from services.batch import policy as batch_policy
 from services.simulator.admission_flow import AdmissionFlow
 from services.simulator.metrics import ratio
-from services.simulator.records import ClassFigures, _RequestRun, _TaskRun
+from services.simulator.records import ClassFigures, _RequestRun, _TaskRun, completion_counted
 from services.simulator.state import _BATCH
 from services.simulator.worker import SimWorker
 from services.simulator.workload import SingleRequest, Step, Task, Tenant, random_prompt_hashes
@@ -258,13 +258,8 @@ class BatchFlow(AdmissionFlow):
         super()._arrival(task, now)
 
     def _complete(self, req: _RequestRun, now: float) -> None:
-        figures = self._class_of(req.task_run.task)
-        met = self.slo_met
-        first = req.first_token_at if req.first_token_at is not None else now
-        figures.ttft.add(first - req.arrival)
-        figures.completed += 1
-        super()._complete(req, now)
-        figures.slo_met += self.slo_met - met
+        with completion_counted(self._class_of(req.task_run.task), req, now, self):
+            super()._complete(req, now)
 
     def _charge(self, req: _RequestRun, worker: SimWorker, seq: Any) -> None:
         before = self.attributed_usd

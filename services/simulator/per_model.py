@@ -11,7 +11,7 @@ set here to the request's model's), completions, SLO attainment and first-token 
 from __future__ import annotations
 
 from services.simulator.batch import BatchFlow
-from services.simulator.records import _RequestRun
+from services.simulator.records import _RequestRun, completion_counted
 from services.simulator.worker import Seq, SimWorker
 
 
@@ -25,9 +25,5 @@ class PerModel(BatchFlow):
     def _complete(self, req: _RequestRun, now: float) -> None:
         figures = self.by_model[req.model]
         self._window = figures.window
-        met = self.slo_met
-        first = req.first_token_at if req.first_token_at is not None else now
-        figures.ttft.add(first - req.arrival)
-        figures.completed += 1
-        super()._complete(req, now)
-        figures.slo_met += self.slo_met - met
+        with completion_counted(figures, req, now, self):
+            super()._complete(req, now)

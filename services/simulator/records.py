@@ -3,9 +3,10 @@ when it ends (`RequestRecord`), and the run's options (`SimOptions`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.router.policy import RouterConfig, RouteRequest
 from services.simulator.autoscaling import TrafficWindow
@@ -202,3 +203,21 @@ class ModelFigures:
         self.kv_transfer_usd = 0.0
         self.ttft = LatencySketch()
         self.window = TrafficWindow()
+
+
+class _SloCount(Protocol):
+    slo_met: int
+
+
+@contextmanager
+def completion_counted(
+    figures: ClassFigures | ModelFigures, req: _RequestRun, now: float, sim: _SloCount
+) -> Iterator[None]:
+    """Count a completing request in a group's figures (its class's, its model's): its first
+    token, the completion, and whether the completion the block runs met the SLO."""
+    met = sim.slo_met
+    first = req.first_token_at if req.first_token_at is not None else now
+    figures.ttft.add(first - req.arrival)
+    figures.completed += 1
+    yield
+    figures.slo_met += sim.slo_met - met
