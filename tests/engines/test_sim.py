@@ -255,7 +255,11 @@ async def test_decodes_that_run_out_of_blocks_preempt_and_resume_seamlessly() ->
     assert tight_engine.blocks.used_blocks == 0
 
 
-async def test_preemption_takes_the_most_recently_admitted_sequence() -> None:
+async def preempted_in_order(
+    old: InferenceRequest, new: InferenceRequest
+) -> tuple[list[str], list[list[int]]]:
+    """`old`, then `new` once `old` has run three steps, on an engine short of KV blocks: the
+    request ids in the order they were preempted, and each one's tokens."""
     e = engine(kv_capacity_tokens=24 * BLOCK)
     await e.start()
     order: list[str] = []
@@ -266,14 +270,21 @@ async def test_preemption_takes_the_most_recently_admitted_sequence() -> None:
         original(seq)
 
     e._preempt = record  # type: ignore[method-assign]
-    first = asyncio.create_task(serve(e, request("old", prompt_of(20, 100), max_tokens=150)))
+    first = asyncio.create_task(serve(e, old))
     await asyncio.sleep(0)
     while e.stats.steps < 3:
         await asyncio.sleep(0.001)
-    second = asyncio.create_task(serve(e, request("new", prompt_of(21, 100), max_tokens=150)))
-    await asyncio.gather(first, second)
-    assert order and order[0] == "new"
+    second = asyncio.create_task(serve(e, new))
+    tokens = list(await asyncio.gather(first, second))
     await e.stop()
+    return order, tokens
+
+
+async def test_preemption_takes_the_most_recently_admitted_sequence() -> None:
+    order, _ = await preempted_in_order(
+        request("old", prompt_of(20, 100), max_tokens=150), request("new", prompt_of(21, 100), max_tokens=150)
+    )
+    assert order and order[0] == "new"
 
 
 # ------------------------------------------------------------------ scheduling by service class
@@ -320,27 +331,12 @@ async def test_an_interactive_request_behind_queued_batch_requests_gets_its_firs
 async def test_preemption_takes_a_batch_sequence_before_an_interactive_one() -> None:
     """Short of KV blocks, the batch sequence is preempted though the interactive one came later
     (with one class, the most recently admitted would be)."""
-    e = engine(kv_capacity_tokens=24 * BLOCK)
-    await e.start()
-    order: list[str] = []
-    original = e._preempt
-
-    def record(seq):  # type: ignore[no-untyped-def]
-        order.append(seq.request_id)
-        original(seq)
-
-    e._preempt = record  # type: ignore[method-assign]
-    first = asyncio.create_task(
-        serve(e, of_class(request("old", prompt_of(20, 100), max_tokens=150), "batch"))
+    order, (old, new) = await preempted_in_order(
+        of_class(request("old", prompt_of(20, 100), max_tokens=150), "batch"),
+        request("new", prompt_of(21, 100), max_tokens=150),
     )
-    await asyncio.sleep(0)
-    while e.stats.steps < 3:
-        await asyncio.sleep(0.001)
-    second = asyncio.create_task(serve(e, request("new", prompt_of(21, 100), max_tokens=150)))
-    old, new = await asyncio.gather(first, second)
     assert order and order[0] == "old"
     assert len(old) == len(new) == 150
-    await e.stop()
 
 
 # ------------------------------------------------------------------ KV events at compute time
