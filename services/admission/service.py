@@ -130,7 +130,20 @@ OWN_IDS_KEPT = 20_000
 
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _throttle_decoder = msgspec.json.Decoder(TenantThrottle)
-_admitted_decoder = msgspec.json.Decoder(RequestAdmitted)
+
+
+class _ClassOnly(msgspec.Struct):
+    service_class: str = "interactive"
+
+
+class _AdmittedClass(msgspec.Struct):
+    """A `RequestAdmitted` read for its request's service class alone: the prompt's tokens are
+    skipped, not decoded, on every admission any replica makes."""
+
+    request: _ClassOnly
+
+
+_admitted_decoder = msgspec.json.Decoder(_AdmittedClass)
 _encoder = msgspec.json.Encoder()
 
 

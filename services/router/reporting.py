@@ -354,7 +354,7 @@ class Predictions:
 
 
 def _export_calibration(state: RouterState, gpu_type: str) -> None:
-    figures = state.calibration.summary().get(gpu_type, {})
+    figures = state.calibration.figures(gpu_type)
     for figure in ("completion_ratio", "completion_spread", "cached_share"):
         if figure in figures:
             CALIBRATION.labels(gpu_type, figure).set(figures[figure])

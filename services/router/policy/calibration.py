@@ -112,22 +112,22 @@ class Calibration:
         z = (math.log((slack_s + FLOOR_S) / (completion_s + FLOOR_S)) - mean) / spread
         return 0.5 * math.erfc(-z / _SQRT2)  # the normal CDF
 
+    def figures(self, gpu_type: str) -> dict[str, float]:
+        """One GPU type's: the completion residuals' bias (actual over predicted, the geometric
+        mean) and spread, the residuals seen, and the cached share found (those it has)."""
+        entry: dict[str, float] = {}
+        residuals = self.completion.get(gpu_type)
+        if residuals is not None:
+            entry.update(
+                completion_ratio=math.exp(residuals.mean),
+                completion_spread=residuals.spread,
+                completion_samples=float(residuals.samples),
+            )
+        share = self.cached_share.get(gpu_type)
+        if share is not None:
+            entry.update(cached_share=self.found_share(gpu_type), cached_samples=float(share.samples))
+        return entry
+
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per GPU type, for a span, a health page and a simulator's result: the completion
-        residuals' bias (actual over predicted, the geometric mean) and spread, the residuals
-        seen, and the cached share found."""
-        out: dict[str, dict[str, float]] = {}
-        for gpu_type in sorted(set(self.completion) | set(self.cached_share)):
-            entry: dict[str, float] = {}
-            residuals = self.completion.get(gpu_type)
-            if residuals is not None:
-                entry.update(
-                    completion_ratio=math.exp(residuals.mean),
-                    completion_spread=residuals.spread,
-                    completion_samples=float(residuals.samples),
-                )
-            share = self.cached_share.get(gpu_type)
-            if share is not None:
-                entry.update(cached_share=self.found_share(gpu_type), cached_samples=float(share.samples))
-            out[gpu_type] = entry
-        return out
+        """Every GPU type's `figures`, for a health page and a simulator's result."""
+        return {g: self.figures(g) for g in sorted(set(self.completion) | set(self.cached_share))}
