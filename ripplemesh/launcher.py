@@ -375,10 +375,10 @@ class Mesh:
                 self._spawn(child)
                 child.state = "starting"
                 child.restarts += 1
-            elif child.state == "starting" and _healthy(child.url):
+            elif child.state == "starting" and (health := _health(child.url)) is not None:
                 child.state = "running"
                 if child.exited_at is not None:
-                    child.recoveries_s.append(round(time.monotonic() - child.exited_at, 3))
+                    child.recoveries_s.append(round(_back_after(child.exited_at, health), 3))
                     said.append(f"{child.name} is back, {child.recoveries_s[-1]:.1f} s after it exited")
                 child.exited_at = None
         if said:
@@ -554,8 +554,33 @@ class Mesh:
 
 
 def _healthy(url: str) -> bool:
+    return _health(url) is not None
+
+
+def _health(url: str) -> dict[str, Any] | None:
+    """The body of a healthy answer from `url`'s /healthz ({} when it is not JSON); None when
+    unhealthy or not answering."""
     try:
         with urllib.request.urlopen(f"{url}/healthz", timeout=1.0) as response:
-            return bool(response.status == 200)
+            if response.status != 200:
+                return None
+            body = response.read()
     except Exception:
-        return False
+        return None
+    try:
+        decoded = json.loads(body)
+    except ValueError:
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
+
+
+def _back_after(exited_at: float, health: dict[str, Any]) -> float:
+    """Seconds from an exit (monotonic) to the service ready again: by its own `ready_at` where
+    its /healthz says (the supervisor looks at several starting children in turn, a second each
+    at worst on a busy host, so it may see the moment late), else now."""
+    now = time.monotonic()
+    ready_at = health.get("ready_at")
+    if isinstance(ready_at, int | float):
+        ready = now - max(0.0, time.time() - float(ready_at))
+        return max(0.0, min(now, ready) - exited_at)
+    return now - exited_at

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
+    # A child that exits after running stably comes back at once, as systemd's RestartSec
+    # (100 ms) does: its work waits meanwhile. Only exits in a row back off, doubling.
+    first_restart_s: float = 0.1
     backoff_s: float = 0.5
     backoff_max_s: float = 30.0
     max_restarts: int = 5
@@ -47,5 +50,8 @@ def on_exit(policy: RestartPolicy, history: ChildHistory, now: float, ran_for_s:
             f"exited {history.in_a_row} times in a row within {policy.stable_after_s:g} s of its "
             f"start (more than {policy.max_restarts} restarts): a crash loop"
         )
-    delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** (history.in_a_row - 1))
+    if history.in_a_row == 1:
+        delay = policy.first_restart_s
+    else:
+        delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** (history.in_a_row - 2))
     return Restart(at=now + delay, exits_in_a_row=history.in_a_row)

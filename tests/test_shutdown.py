@@ -66,3 +66,46 @@ def test_a_service_whose_http_port_is_taken_exits_and_says_why(
         )
     assert result.returncode != 0
     assert "address already in use" in result.stderr
+
+
+def test_an_ingress_that_cannot_start_takes_no_client_and_stops_when_told(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A restarting ingress (NATS not answering, as while a stream elects its leader) says 503 on
+    its own port, leaves the shared API port to the ingresses that can serve, and a SIGTERM
+    ends it then, not once NATS answers."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from services.mesh.embedded_nats import free_port
+    from tests.conftest import wait_until
+
+    own, shared, nothing = free_port(), free_port(), free_port()
+    command = [sys.executable, "-m", "ripplemesh", "run", "ingress", "--http-port", str(own)]
+    command += ["--shared-port", str(shared), "--nats-url", f"nats://127.0.0.1:{nothing}"]
+    command += ["--data-dir", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+
+        def health() -> httpx.Response | None:
+            try:
+                return httpx.get(f"http://127.0.0.1:{own}/healthz", timeout=2)
+            except httpx.TransportError:
+                return None
+
+        wait_until(lambda: health() is not None, timeout_s=30)
+        answer = health()
+        assert answer is not None and answer.status_code == 503
+        assert answer.json()["ready"] is False
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{shared}/v1/models", timeout=2)
+        asked = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+        assert time.monotonic() - asked < 10
+        assert process.stderr is not None and "stopped while starting" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)

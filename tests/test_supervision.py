@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ripplemesh.launcher import Child, Mesh
 from ripplemesh.supervision import ChildHistory, GiveUp, Restart, RestartPolicy, on_exit
 from services.mesh.embedded_nats import free_port
@@ -22,12 +24,12 @@ def test_restarts_back_off_doubling_while_it_fails_at_start_and_start_over_once_
         assert isinstance(decision, Restart)
         delays.append(decision.at - now)
         now = decision.at + 1.0
-    assert delays == [0.5, 1.0, 2.0, 4.0, 4.0]  # doubling, capped
-    # Killed after running a while: the shortest backoff again, however often it happens.
+    assert delays == [0.1, 0.5, 1.0, 2.0, 4.0]  # at once, then doubling, capped
+    # Killed after running a while: back at once again, however often it happens.
     for _ in range(20):
         now += 30.0
         decision = on_exit(policy, history, now, ran_for_s=30.0)
-        assert isinstance(decision, Restart) and decision.at - now == 0.5
+        assert isinstance(decision, Restart) and decision.at - now == pytest.approx(0.1)
 
 
 def test_a_crash_loop_is_given_up_on() -> None:
@@ -68,3 +70,15 @@ def test_the_launcher_restarts_a_child_that_exits_and_gives_up_on_a_crash_loop(t
         assert 'ripplemesh_up_given_up{child="failing"} 1.0' in metrics
     finally:
         mesh.stop()
+
+
+def test_a_recovery_counts_to_the_moment_the_service_said_it_was_ready_not_when_it_was_seen() -> None:
+    from ripplemesh.launcher import _back_after
+
+    exited = time.monotonic() - 5.0
+    # Ready 3 s ago by its own clock: back 2 s after the exit, though seen only now.
+    assert abs(_back_after(exited, {"ready_at": time.time() - 3.0}) - 2.0) < 0.1
+    # A service that does not say (a NATS node's /healthz): when it was seen.
+    assert abs(_back_after(exited, {}) - 5.0) < 0.1
+    # A ready_at before the exit (a clock step) never makes a recovery negative.
+    assert _back_after(exited, {"ready_at": time.time() - 60.0}) == 0.0

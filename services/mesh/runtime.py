@@ -225,6 +225,7 @@ def _http_app(runtime_ref: dict[str, Any], service: Service) -> Starlette:
         body = {
             "service": service.name,
             "ready": ready,
+            "ready_at": runtime_ref.get("ready_at"),  # epoch seconds: when this process could serve
             "nats_connected": connected,
             **service.health(),
         }
@@ -322,25 +323,58 @@ async def run_service(service: Service, options: ServiceOptions) -> None:
     server_task = asyncio.create_task(server.serve(), name="http")
     shared: _QuietServer | None = None
     shared_task: asyncio.Task[None] | None = None
+    await _serving(server, server_task, options.http_port)
+
+    async def start_up() -> Runtime:
+        bus = await Bus.connect(
+            options.nats_url,
+            service.name,
+            credentials=options.nats_credentials,
+            replicas=options.nats_replicas,
+        )
+        runtime_ref["bus"] = bus
+        await bus.provision()
+        log.info("connected to NATS")
+        runtime = Runtime(service.name, options, bus)
+        runtime._stop_requested = stop.set
+        runtime_ref["runtime"] = runtime
+        await service.start(runtime)
+        return runtime
+
+    # A stop asked for while starting (NATS unreachable, a stream electing its leader) ends the
+    # start at once rather than once it is over.
+    starting = asyncio.create_task(start_up(), name="start")
+    stopping = asyncio.create_task(stop.wait(), name="stop-requested")
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("stopped while starting")
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        if "runtime" in runtime_ref:
+            with contextlib.suppress(Exception):
+                await runtime_ref["runtime"].cancel_tasks()
+        if "bus" in runtime_ref:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runtime_ref["bus"].close(), timeout=5.0)
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server_task, timeout=6.0)
+        shutdown_tracing()
+        return
+    stopping.cancel()
+    runtime = starting.result()  # a start that failed raises here, as before
+    bus = runtime.bus
+    _lower_priority_if_background(service)
+    runtime_ref["ready"] = True
+    runtime_ref["ready_at"] = round(time.time(), 3)
     if options.shared_port is not None:
+        # The shared port joins the kernel's SO_REUSEPORT group only now: a restarted ingress
+        # takes no client's connection while it cannot yet serve it (a stream electing its
+        # leader can hold its start for seconds); its own port says 503 meanwhile.
         shared = _QuietServer(server.config)
         sockets = [_shared_socket(options.http_host, options.shared_port)]
         shared_task = asyncio.create_task(shared.serve(sockets=sockets), name="http-shared")
-    await _serving(server, server_task, options.http_port)
-    bus = await Bus.connect(
-        options.nats_url,
-        service.name,
-        credentials=options.nats_credentials,
-        replicas=options.nats_replicas,
-    )
-    await bus.provision()
-    log.info("connected to NATS")
-    runtime = Runtime(service.name, options, bus)
-    runtime._stop_requested = stop.set
-    runtime_ref["runtime"] = runtime
-    await service.start(runtime)
-    _lower_priority_if_background(service)
-    runtime_ref["ready"] = True
     UP.labels(service.name).set(1)
     log.info("service started", extra={"nats_url": options.nats_url, "http_port": options.http_port})
     profiler = _start_profile()
