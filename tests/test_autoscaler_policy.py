@@ -186,6 +186,21 @@ def test_a_measured_ttft_over_the_slo_adds_capacity_before_the_forecast_would() 
     assert "TTFT p90 6 s over the SLO 2 s" in slow.pool("prefill-h100").reason
 
 
+def test_a_ttft_measured_on_fewer_replicas_than_serve_now_scales_those_not_the_grown_pool() -> None:
+    """Requests that waited 20 s behind 2 replicas get their first token just after 2 more joined:
+    the correction doubles the 2 the wait was measured on (already there), not the 4 serving now;
+    the same TTFT measured on a pool that served 4 all along doubles it."""
+    pools = [pool("decode-h100", max_replicas=32)]
+    quiet_state, _ = run(pools, [window(t, 4.0) for t in (5, 10, 15, 20)], serving("decode-h100", 2))
+    _, grown = run(pools, [window(25, 4.0)], serving("decode-h100", 4), state=quiet_state, ttft_p90_s=20.0)
+    steady_state, _ = run(pools, [window(t, 4.0) for t in (5, 10, 15, 20)], serving("decode-h100", 4))
+    _, steady = run(pools, [window(25, 4.0)], serving("decode-h100", 4), state=steady_state, ttft_p90_s=20.0)
+    assert grown.pool("decode-h100").desired == 4
+    assert "on the 2 serving then" in grown.pool("decode-h100").reason
+    assert steady.pool("decode-h100").desired == 8
+    assert "on the 4 serving then" in steady.pool("decode-h100").reason
+
+
 def test_the_fleet_budget_is_never_exceeded() -> None:
     pools = [pool("prefill-h100", role="prefill", max_replicas=32), pool("decode-h100", max_replicas=32)]
     _, p = run(pools, [window(t, 200.0) for t in (5, 10)], (), Settings(budget_per_hour=40.0))

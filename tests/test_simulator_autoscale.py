@@ -5,6 +5,7 @@ back for a held request, capacity goes to the cheaper GPU first, runs are determ
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +215,28 @@ def test_bench_autoscale_quick_prints_the_table(tmp_path: Path) -> None:
     assert "best baseline" in text and "Target (ratio <= 0.8 at equal or better SLO attainment)" in text
     assert (tmp_path / "summary.json").is_file()
     assert (tmp_path / "autoscale_agentic-bursts.png").is_file()
+
+
+def test_the_fixed_fleet_search_finds_the_fewest_replicas_of_each_type_that_reach_the_slo() -> None:
+    """Bisection per decode GPU type, independent of any autoscaler's run: here SLO attainment
+    is a fifth a replica on H100 and a third on H200, so 0.9 takes 5 H100s or 3 H200s."""
+    from ripplemesh.bench.autoscale import searched_fleets
+
+    @dataclasses.dataclass
+    class Tried:
+        fleet: str
+        slo: float
+
+    asked: list[str] = []
+
+    def fixed_run(spec: FleetSpec) -> Tried:
+        sizes = {p.gpu: p.replicas for p in spec.pools if p.replicas}
+        assert len(sizes) == 1 and all(p.role == "decode" for p in spec.pools if p.replicas)
+        gpu, n = next(iter(sizes.items()))
+        asked.append(f"{n}x{gpu}")
+        return Tried(f"{n}x{gpu}", min(1.0, n / (5 if gpu == "H100" else 3)))
+
+    spec = parse_fleet("prefill:0..8xH100,decode:0..16xH100,decode:0..16xH200")
+    found = searched_fleets(spec, fixed_run, 0.9)  # type: ignore[arg-type]
+    assert [t.fleet for t in found] == ["5xH100", "4xH100", "3xH200", "2xH200"]
+    assert len(asked) <= 2 * 6  # a bisection's tries, not every size

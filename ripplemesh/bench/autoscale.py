@@ -8,8 +8,10 @@ of H100s and H200s, each 0..16, priced by the mesh config; where cost-aware choi
   services/autoscaler/baselines.py, `dynamo-sla` and `hpa-queue`, each driving the autoscaled
   pools (simulator/autoscaling.py);
 - fixed fleets: the ripple run's peak size per pool scaled by each of `fixed` (0.25, 0.5, 0.75,
-  1 by default), nothing autoscaled. The smallest that reaches ripple's SLO attainment is marked
-  (the fixed fleet an operator would have to provision for the same service).
+  1 by default), nothing autoscaled; and a search of its own (`searched_fleets`): per decode GPU
+  type alone, the fewest replicas reaching ripple's SLO attainment (the fixed fleet an operator
+  would find by trying sizes), and the size below. Those at ripple's attainment or better are
+  marked.
 
 Workloads: (a) an Azure LLM inference trace from ../shared/traces/ (conversation, rate-scaled;
 skipped, and said so, where the traces are absent) and (b) the agentic generator with bursts
@@ -145,6 +147,40 @@ def fixed_ladder(spec: FleetSpec, peaks: Sequence[int], fractions: Sequence[floa
             seen.add(key)
             fleets.append(_fixed_fleet(spec, sizes))
     return fleets
+
+
+def searched_fleets(
+    spec: FleetSpec, fixed_run: Callable[[FleetSpec], BenchRun], slo_target: float
+) -> list[BenchRun]:
+    """Per decode pool's GPU type, that type alone (serving prompts and outputs): the fewest
+    replicas, by bisection over 1..its maximum, whose SLO attainment reaches `slo_target`, and
+    the size below it. A search of its own, not scaled from any autoscaler's run: the fixed
+    fleet an operator would find by trying sizes."""
+    found: list[BenchRun] = []
+    for index, pool in enumerate(spec.pools):
+        if pool.role != "decode" or pool.high < 1:
+            continue
+
+        def sized(n: int, index: int = index) -> FleetSpec:
+            return _fixed_fleet(spec, [n if i == index else 0 for i in range(len(spec.pools))])
+
+        runs: dict[int, BenchRun] = {}
+        low, high = 1, pool.high
+        runs[high] = fixed_run(sized(high))
+        if runs[high].slo < slo_target:
+            found.append(runs[high])  # even the largest falls short: it, for the table
+            continue
+        while low < high:
+            middle = (low + high) // 2
+            runs[middle] = runs.get(middle) or fixed_run(sized(middle))
+            if runs[middle].slo >= slo_target:
+                high = middle
+            else:
+                low = middle + 1
+        found.append(runs[high])
+        if high - 1 in runs:
+            found.append(runs[high - 1])
+    return found
 
 
 def verdict(runs: Sequence[BenchRun]) -> Verdict:
@@ -305,12 +341,19 @@ def run_autoscale_bench(
             result = run_simulation(workload, spec, policy, options=options, admission=admission)
             runs.append(BenchRun(autoscaler, "autoscaled", fleet, result))
         ripple = runs[[r.label for r in runs].index("ripple")]
-        for fixed_spec in fixed_ladder(spec, peak_sizes(ripple.result, spec), fractions):
+
+        def fixed_run(fixed_spec: FleetSpec, name: str = name, workload: Workload = workload) -> BenchRun:
             compact = _compact(fixed_spec)
             say(f"{name}: fixed {compact}")
             result = run_simulation(workload, fixed_spec, policy, admission=admission)
-            total = sum(p.replicas for p in fixed_spec.pools)
-            runs.append(BenchRun(f"fixed {total}", "fixed", compact, result))
+            return BenchRun(f"fixed {sum(p.replicas for p in fixed_spec.pools)}", "fixed", compact, result)
+
+        for fixed_spec in fixed_ladder(spec, peak_sizes(ripple.result, spec), fractions):
+            runs.append(fixed_run(fixed_spec))
+        tried = {r.fleet for r in runs}
+        for found in searched_fleets(spec, fixed_run, ripple.slo):
+            if found.fleet not in tried:
+                runs.append(found)
         everything[name] = runs
         console.print(table(name, runs, ripple.slo))
         console.print("  * marks the fixed fleets at ripple's SLO attainment or better")
@@ -363,7 +406,8 @@ def _print_verdict(console: Console, name: str, ripple: BenchRun, v: Verdict) ->
         f"{name}: best baseline ({at}): {v.best.label} {v.best.fleet}, ${v.best.cost or 0:.5f} per "
         f"successful task at SLO {v.best.slo:.1%}; ripple ${ripple.cost or 0:.5f} at SLO "
         f"{ripple.slo:.1%}: ratio {v.ratio:.2f}. "
-        f"Target (ratio <= {TARGET:g} at equal or better SLO attainment) {word}."
+        f"Target (ratio <= {TARGET:g} at equal or better SLO attainment) {word}.",
+        soft_wrap=True,  # one line, whatever the terminal's width: it is read and grepped whole
     )
     if v.cheapest is not None and v.cheapest is not v.best:
         console.print(

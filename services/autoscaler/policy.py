@@ -119,12 +119,19 @@ class Settings:
             raise ValueError("max_reactive_factor must be >= 1")
 
 
+# How far back the planner remembers how many replicas served: past any TTFT worth reacting to.
+SERVING_HISTORY_S = 600.0
+
+
 @dataclass(frozen=True, slots=True)
 class PlannerState:
     forecasts: Mapping[str, ModelForecast] = field(default_factory=dict)
     busy_at: Mapping[str, float] = field(default_factory=dict)  # per model: last traffic seen
     below_since: Mapping[str, float] = field(default_factory=dict)  # per pool
     grew_at: Mapping[str, float] = field(default_factory=dict)  # per pool
+    # Per pool, (when, replicas serving) at each recent plan: the capacity a measured latency
+    # came from, when the requests behind it waited plans ago.
+    serving_history: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +214,13 @@ def plan(
         ):
             busy_at[model] = now
     by_pool = replicas_by_pool(pools, replicas)
+    serving_history = {
+        p.name: (
+            *((t, n) for t, n in state.serving_history.get(p.name, ()) if now - t < SERVING_HISTORY_S),
+            (now, sum(1 for r in by_pool[p.name] if r.state == "serving")),
+        )
+        for p in pools
+    }
 
     models = sorted({p.model for p in pools})
     outlooks: list[ModelOutlook] = []
@@ -216,7 +230,13 @@ def plan(
         forecast = forecasts.get(model, ModelForecast())
         outlook = _outlook(model, members, forecast, seen.get(model), settings, now)
         outlooks.append(outlook)
-        targets.update(_allocate(outlook, members, by_pool, busy_at.get(model), settings, now))
+        # A TTFT is measured as requests get their first token: they waited that long, on the
+        # replicas serving then. Replicas that joined since are capacity the measure never saw.
+        lookback = max(settings.interval_s, outlook.ttft_p90_s or 0.0)
+        measured_on = {
+            p.name: min(n for t, n in serving_history[p.name] if now - t <= lookback) for p in members
+        }
+        targets.update(_allocate(outlook, members, by_pool, measured_on, busy_at.get(model), settings, now))
     current = {p.name: sum(1 for r in by_pool[p.name] if r.state != "draining") for p in pools}
     _fit_budget(targets, pools, current, settings)
 
@@ -226,7 +246,13 @@ def plan(
     for pool in pools:
         decision = _decide(pool, targets[pool.name], by_pool[pool.name], below_since, grew_at, settings, now)
         decisions.append(decision)
-    new_state = PlannerState(forecasts=forecasts, busy_at=busy_at, below_since=below_since, grew_at=grew_at)
+    new_state = PlannerState(
+        forecasts=forecasts,
+        busy_at=busy_at,
+        below_since=below_since,
+        grew_at=grew_at,
+        serving_history=serving_history,
+    )
     return new_state, Plan(
         at=now,
         pools=tuple(decisions),
@@ -300,6 +326,7 @@ def _allocate(
     outlook: ModelOutlook,
     members: Sequence[Pool],
     by_pool: Mapping[str, list[Replica]],
+    measured_on: Mapping[str, int],
     busy_at: float | None,
     settings: Settings,
     now: float,
@@ -330,10 +357,12 @@ def _allocate(
         up = _fill(group, needs, 1.0)
         down = _fill(group, needs, 1.0 / settings.scale_down_band)
         if factor > 1.0:
-            # Measured over the SLO: the pools as they are fall short, whatever the profile says.
-            # Replicas warming count towards it: they are capacity coming, not more needed.
-            running = sum(1 for p in group for r in by_pool[p.name] if r.state == "serving")
-            _grow_to(group, up, math.ceil(running * factor - 1e-9), needs)
+            # Measured over the SLO: the replicas it was measured on fell short, whatever the
+            # profile says. Those that joined since, and those warming, count towards it: they
+            # are capacity already come or coming, not more needed.
+            measured = sum(measured_on[p.name] for p in group)
+            _grow_to(group, up, math.ceil(measured * factor - 1e-9), needs)
+            why = [f"{why[0]} on the {measured} serving then"] if why else why
             for name, size in up.items():
                 down[name] = max(down[name], size)
         to_zero = idle and all(p.min_replicas == 0 for p in group) and outlook.held == 0
