@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import signal
@@ -35,13 +36,20 @@ from typing import Any, Literal
 import msgspec
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+from ripplemesh.spawner import ChildProcess, start_warm, warm_starts_enabled
 from ripplemesh.supervision import ChildHistory, GiveUp, RestartPolicy, on_exit
 from schemas.events import PoolMembers
 from services.mesh.bus import nats_servers
 from services.mesh.config import load_config
 from services.mesh.embedded_nats import EmbeddedNats, free_port
 from services.mesh.nats_auth import NatsAuth, NatsCredentials, auth_for_config, save_credentials
+from services.mesh.processes import die_with_parent
+from services.mesh.tracing import traces_dir
+from services.trace_shipper.files import mark_existing_as_shipped
 
+log = logging.getLogger("ripplemesh.launcher")
+
+TRACE_SHIPPER = "trace-shipper"
 SERVICES_IN_ORDER = ("ledger", "autoscaler", "router", "admission", "ingress", "batch")
 
 
@@ -62,7 +70,7 @@ class Child:
     args: list[str]
     http_port: int
     log_path: Path
-    process: subprocess.Popen[bytes] | None = None
+    process: ChildProcess | None = None
     # Supervision (monotonic times).
     state: ChildState = "running"
     started_at: float = 0.0
@@ -73,21 +81,13 @@ class Child:
     recoveries_s: list[float] = field(default_factory=list)  # from each exit to healthy again
     history: ChildHistory = field(default_factory=ChildHistory)
     # How to start it again, for a child that is not a `ripplemesh run` (an embedded NATS node).
-    respawn: Callable[[], subprocess.Popen[bytes]] | None = None
+    respawn: Callable[[], ChildProcess] | None = None
     pool: str | None = None  # a worker's: <role>-<gpu>
     retire_at: float | None = None  # retiring: stopped if not gone by then
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    os.setpgrp()  # Ctrl-C reaches only the launcher, which stops children in order
 
 
 @dataclass
@@ -129,6 +129,10 @@ class Mesh:
     autoscale_min: int = 0
     autoscale_max: int = 4
     control: Any = None
+    # With an OTLP endpoint set: the services write their local span files and one trace
+    # shipper exports them (services/trace_shipper/); False: each service exports itself.
+    # None: ship unless RIPPLEMESH_SHIP_TRACES=0.
+    ship_traces: bool | None = None
     # The models whose workers it runs, `prefill` and `decode` of each, each model its own
     # pools (the router never places across models); empty: the config's first model.
     models: tuple[str, ...] = ()
@@ -166,6 +170,16 @@ class Mesh:
         while (port := free_port()) in taken:
             pass
         return port
+
+    @property
+    def shipping_traces(self) -> bool:
+        env = {**os.environ, **self.env}
+        otlp = bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        if not otlp or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return False
+        if self.ship_traces is not None:
+            return self.ship_traces
+        return env.get("RIPPLEMESH_SHIP_TRACES", "1") != "0"
 
     @property
     def replicas(self) -> int:
@@ -260,6 +274,8 @@ class Mesh:
     def plan(self) -> list[Child]:
         children = self.children = []  # filled as planned, so that no two children share a port
         self._next_worker = {}
+        if self.shipping_traces:
+            children.append(self._child(TRACE_SHIPPER, TRACE_SHIPPER))
         for model in self.served_models():
             for _ in range(self.decode):
                 children.append(self._worker("decode", model=model))
@@ -283,6 +299,8 @@ class Mesh:
         try:
             self._prepare_nats()
             self.children = self.plan()
+            if self.shipping_traces:  # only this run's spans go to the receiver
+                mark_existing_as_shipped(traces_dir(self.data_dir))
             for child in self.children:
                 self._spawn(child)
             self.wait_ready(ready_timeout_s)
@@ -317,15 +335,26 @@ class Mesh:
             child.process = child.respawn()
             child.started_at = time.monotonic()
             return
-        with child.log_path.open("ab") as log:
-            child.process = subprocess.Popen(
-                child.args,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env={**os.environ, **self.env},
-                preexec_fn=_die_with_parent,
-            )
+        env = {**os.environ, **self.env}
+        if self.shipping_traces and child.name != TRACE_SHIPPER:
+            env["RIPPLEMESH_TRACES_SHIPPED"] = "1"  # the shipper exports their spans
+        if warm_starts_enabled(child.args):
+            # A fork of a parent that imported the services already: a restart is not slowed
+            # by a second of imports (ripplemesh/spawner.py).
+            try:
+                child.process = start_warm(child.args, env, child.log_path)
+            except (OSError, RuntimeError) as exc:
+                log.warning("warm start failed (%s); starting %s as a new process", exc, child.name)
+        if child.process is None or child.process.poll() is not None:
+            with child.log_path.open("ab") as output:
+                child.process = subprocess.Popen(
+                    child.args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=output,
+                    env=env,
+                    preexec_fn=die_with_parent,
+                )
         child.started_at = time.monotonic()
 
     def tend(self, now: float | None = None) -> list[str]:
@@ -529,19 +558,22 @@ class Mesh:
         if self.control is not None:
             self.control.stop()
             self.control = None
-        for child in reversed(self.children):
-            if child.process is not None and child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+        # The trace shipper last: it ships what the others wrote as they stopped.
+        shipper = [c for c in self.children if c.name == TRACE_SHIPPER]
         deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            if child.process is None:
-                continue
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.process.wait(5)
+        for group in ([c for c in self.children if c.name != TRACE_SHIPPER], shipper):
+            for child in reversed(group):
+                if child.process is not None and child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            for child in group:
+                if child.process is None:
+                    continue
+                try:
+                    child.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        child.process.wait(5)
         if self.nats is not None:
             self.nats.stop()
             self.nats = None

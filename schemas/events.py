@@ -778,7 +778,9 @@ class WorkerControl(Event, frozen=True, kw_only=True, tag="worker.control.v1"):
 
     - ``drain``: take no new work (the heartbeat says draining at once), finish what is in
       flight within `grace_s`, hand the rest off (the router migrates it), then exit;
-    - ``revoke``: stop `request_ids` now, they were placed elsewhere;
+    - ``revoke``: stop `request_ids` now, they were placed elsewhere; with `work_event_ids`,
+      only where a request runs for one of those work messages (the migrated one), not for the
+      work that replaced it, which may have been placed back on this same worker;
     - ``ping``: only answer (a liveness probe).
     """
 
@@ -786,6 +788,7 @@ class WorkerControl(Event, frozen=True, kw_only=True, tag="worker.control.v1"):
     action: Literal["drain", "revoke", "ping"]
     grace_s: NonNegativeFloat | None = None
     request_ids: list[Identifier] = []
+    work_event_ids: list[Identifier] = []
     reason: str = ""
 
 

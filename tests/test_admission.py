@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from ripplemesh.launcher import _die_with_parent, _healthy
+from ripplemesh.launcher import _healthy
 from schemas.events import (
     AdmissionDecision,
     DecodeCompleted,
@@ -41,6 +41,7 @@ from schemas.subjects import PREFIX, WORKERS, WORKFLOW_SPEND, event_subject, pre
 from services.mesh.block_hash import chain_block_hashes
 from services.mesh.bus import Bus
 from services.mesh.embedded_nats import EmbeddedNats, free_port
+from services.mesh.processes import die_with_parent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,7 +144,7 @@ class Service:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent
+                self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=die_with_parent
             )
         deadline = time.monotonic() + 60
         while not _healthy(self.url):

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from ripplemesh.bench.overhead import run_overhead_bench
+from ripplemesh.bench.overhead import phoenix_binary, run_overhead_bench
 
 SERVICES = ("ingress", "admission", "router", "prefill-0", "decode-0", "ledger", "autoscaler", "batch")
 
@@ -31,3 +31,14 @@ def test_the_overhead_bench_prints_mesh_floor_ratio_and_cpu_by_service() -> None
     assert all(rows[f"cpu_ms_{s}"] > 0 for s in ("ingress", "admission", "router", "decode-0", "ledger"))
     assert rows["cpu_ms_total"] == pytest.approx(sum(rows[f"cpu_ms_{s}"] for s in SERVICES))
     assert "the 5 ms target" in printed
+
+    # Tracing's cost, mode by mode; with Phoenix installed (`make receivers`), both ways of
+    # exporting over OTLP (the shipped span files, each service itself) reached it.
+    for mode in ("off", "local"):
+        assert f"tracing_{mode}_overhead_p50_ms" in rows
+    if phoenix_binary():
+        for mode in ("otlp", "otlp_direct"):
+            assert rows[f"tracing_{mode}_spans_exported"] > 0, printed
+            assert rows[f"tracing_{mode}_spans_received"] > 0, printed
+            assert f"tracing_{mode}_vs_off_mesh_p50" in rows
+        assert "OTLP to Phoenix, shipped" in printed and "from each service" in printed

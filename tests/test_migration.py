@@ -395,6 +395,40 @@ async def test_killed_prefill_worker_its_request_is_placed_again(
         await asyncio.to_thread(restore, fleet, "prefill-0")
 
 
+async def test_work_sent_before_a_workers_restart_but_stored_after_it_is_served_once(
+    fleet: Mesh, client: MeshClient, nc: NatsClient
+) -> None:
+    """A router's publish retried through a stream's election is stored after the worker it was
+    sent to restarted and had looked for its predecessor's work. Sent before that start, it is
+    the predecessor's: the routers take it over, and the new incarnation leaves it to them
+    rather than serve it too (before, it served it, a rescan migrated it mid-stream, and a
+    resumed copy placed back on it met the original: "already on this engine")."""
+    await asyncio.to_thread(fleet.restart_child, "decode-0")
+    await asyncio.to_thread(wait_until, lambda: health(fleet, "router")["workers"] == 3, 15)
+    js = nc.jetstream()
+    entry = await (await js.key_value(WORKERS.bucket)).get("decode-0")
+    started_at = msgspec.json.decode(entry.value or b"", type=WorkerState).started_at
+    assert started_at is not None and time.time() - started_at < 10  # the routers still scan
+    rid, prompt = "stored-after-restart", PROMPT + " stored late"
+    work = PrefillWork(
+        event_id=new_event_id(),
+        occurred_at=started_at - 0.5,
+        request=prepared(fleet, rid, prompt, max_tokens=LONG),
+        prefill_worker="decode-0",
+        decode_worker="decode-0",
+    )
+    stream = TokenStream(nc, tokens_subject("acme", rid), first_event_timeout_s=30, idle_timeout_s=30)
+    async with stream:
+        await js.publish(
+            work_subject("prefill", "decode-0"), encode_event(work), headers={"Nats-Msg-Id": work.event_id}
+        )
+        seen = [event async for event in stream.events()]
+    check_one_stream(seen, (await client.complete(prompt=prompt, max_tokens=LONG)).token_ids)
+    migrated = await wait_for_events(nc, "migrated", rid)
+    # Taken over before a token was streamed: the restarted worker never served it itself.
+    assert [(m["from_worker"], m["resume_seq"]) for m in migrated] == [("decode-0", 0)]
+
+
 async def test_a_worker_lost_between_its_streams_end_and_its_report_is_reported_for_once(
     fleet: Mesh, nc: NatsClient
 ) -> None:

@@ -225,6 +225,19 @@ def test_liveness_a_router_just_started_scans_a_worker_that_just_started() -> No
     assert life.predecessor_scan_for_s < HAND_BACK_TIMEOUT_S
 
 
+def test_liveness_a_second_restart_within_the_window_after_a_stop_scans_from_the_newer_start() -> None:
+    """Restarted, then stopped (its entry deleted) and started again within the scan window of
+    the first restart: the newest incarnation's predecessors are everything before its own start,
+    not before the first restart's (work sent to the one in between was left behind)."""
+    life = Liveness()
+    life.heartbeat("w1", heartbeat_at=100.5, revision=1, draining=False, started_at=100.0)
+    assert life.verdicts(100.5).predecessors == [("w1", 100.0)]
+    life.predecessor_scanned("w1", 100.5)
+    life.removed("w1", 105.0)
+    life.heartbeat("w1", heartbeat_at=106.5, revision=3, draining=False, started_at=106.0)
+    assert life.verdicts(106.5).predecessors == [("w1", 106.0)]
+
+
 async def test_sim_engine_resumes_a_migrated_request_with_the_same_tokens() -> None:
     engine = SimEngine(model="llama-3-8b", clock=RealClock(time_scale=0.0))
     await engine.start()

@@ -1,5 +1,6 @@
 """Tracing never holds a request: a trace receiver that is down or never answers costs the
-requests nothing, its spans are dropped and counted; a malformed ``traceparent`` (HTTP or NATS)
+requests nothing, and its spans wait in the span files for it (shipped by `up`) or are dropped
+and counted (a service exporting itself); a malformed ``traceparent`` (HTTP or NATS)
 is ignored and the request starts a trace of its own; and tracing can be turned off."""
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import socket
 import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import OpenAI
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,6 +32,7 @@ from services.mesh.nats_auth import load_credentials
 from services.mesh.tracing import BoundedBatchSpanProcessor
 from tests.conftest import wait_until
 from tests.test_up import RunningUp, running_up
+from tests.test_up_survives import _children
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,15 +130,59 @@ def _stream(client: OpenAI, prompt: str, max_tokens: int = 8) -> tuple[str, str 
     return response_id, finish, usage
 
 
-@pytest.mark.parametrize("receiver", ["down", "never-answers"])
-def test_a_receiver_down_or_never_answering_holds_no_request_and_its_spans_are_counted_dropped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver: str
+class CountingReceiver(ThreadingHTTPServer):
+    """An OTLP/HTTP receiver on `port` that takes every export and counts its spans."""
+
+    def __init__(self, port: int) -> None:
+        receiver = self
+        self.spans = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                request = ExportTraceServiceRequest.FromString(body)
+                receiver.spans += sum(
+                    len(scope.spans) for resource in request.resource_spans for scope in resource.scope_spans
+                )
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", port), Handler)
+        self._thread = threading.Thread(target=self.serve_forever, name="counting-receiver", daemon=True)
+
+    def __enter__(self) -> CountingReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def _spans_written(up: RunningUp) -> int:
+    return sum(len(path.read_bytes().splitlines()) for path in (up.data_dir / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("receiver", "export"), [("down", "shipped"), ("never-answers", "shipped"), ("down", "direct")]
+)
+def test_a_receiver_down_or_never_answering_holds_no_request_and_its_spans_are_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver: str, export: str
 ) -> None:
+    """`up` ships the services' span files (export "shipped", the default): a receiver that is
+    down costs the requests nothing and loses no span, which reaches it once it is up. Each
+    service exporting itself ("direct", RIPPLEMESH_SHIP_TRACES=0): its spans are dropped and
+    counted."""
     with contextlib.ExitStack() as stack:
         silent = stack.enter_context(SilentReceiver()) if receiver == "never-answers" else None
         # Nothing listens on a free port: each export's connection is refused.
-        endpoint = silent.url if silent is not None else f"http://127.0.0.1:{free_port()}"
-        _export_to(monkeypatch, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)
+        port = silent.port if silent is not None else free_port()
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+        _export_to(monkeypatch, **env, **({"RIPPLEMESH_SHIP_TRACES": "0"} if export == "direct" else {}))
         # Left last: the mesh stops (and flushes what it can) while the receiver still hangs.
         up = stack.enter_context(running_up(tmp_path, "--time-scale", "0.05"))
         client = OpenAI(
@@ -145,12 +193,22 @@ def test_a_receiver_down_or_never_answering_holds_no_request_and_its_spans_are_c
             _, finish, usage = _stream(client, f"request {i} while the receiver is {receiver}")
             assert finish == "length" and usage is not None and usage.completion_tokens == 8
 
-        # The spans went nowhere, and the services say so.
-        dropped = wait_until(
-            lambda: _counter(up.port, DROPPED, "export_failed"), timeout_s=60, interval_s=0.5
-        )
-        assert dropped > 0
-        assert _counter(up.port, "ripplemesh_tracing_spans_exported_total") == 0
+        if export == "direct":
+            # The spans went nowhere, and the services say so.
+            dropped = wait_until(
+                lambda: _counter(up.port, DROPPED, "export_failed"), timeout_s=60, interval_s=0.5
+            )
+            assert dropped > 0
+            assert _counter(up.port, "ripplemesh_tracing_spans_exported_total") == 0
+        else:
+            shipper = int(_children(up)["trace-shipper"]["url"].rsplit(":", 1)[1])
+            wait_until(
+                lambda: _counter(shipper, "ripplemesh_trace_shipper_export_failures_total"),
+                timeout_s=60,
+                interval_s=0.5,
+            )
+            assert _counter(shipper, "ripplemesh_tracing_spans_exported_total") == 0
+            assert _counter(up.port, DROPPED) == 0  # the services only wrote their files
         if silent is not None:  # the exports did reach it: it is the receiver that hung
             assert silent.connections > 0 and silent.bytes_received > 0
 
@@ -158,6 +216,12 @@ def test_a_receiver_down_or_never_answering_holds_no_request_and_its_spans_are_c
         completion = client.completions.create(model="llama-3-8b", prompt="Once upon", max_tokens=5)
         assert completion.usage is not None and completion.usage.completion_tokens == 5
         assert completion.choices[0].finish_reason == "length"
+
+        if export == "shipped" and receiver == "down":
+            # The receiver comes up where it was expected: every span waiting goes to it.
+            written = _spans_written(up)
+            with CountingReceiver(port) as counting:
+                wait_until(lambda: counting.spans >= written, timeout_s=60, interval_s=0.5)
 
 
 def test_a_full_export_queue_drops_and_counts_spans_instead_of_growing() -> None:

@@ -42,10 +42,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from ripplemesh.client import MeshClient
-from ripplemesh.launcher import Mesh, _die_with_parent
+from ripplemesh.launcher import Mesh
 from schemas.events import StreamFailed, TokenChunk
 from schemas.subjects import LEDGER_CONSUMER
 from services.mesh.embedded_nats import EmbeddedNats, free_port
+from services.mesh.processes import die_with_parent
 
 # Messages on the path to the first token: client -> ingress -> admission -> router -> prefill
 # -> client.
@@ -129,7 +130,7 @@ def running_phoenix(work_dir: Path, *, ready_timeout_s: float = 120.0, nice: int
     log_path = work_dir / "phoenix.log"
     with log_path.open("ab") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
         )
     phoenix = Phoenix(f"http://127.0.0.1:{port}", work_dir, process)
     try:
@@ -387,9 +388,15 @@ def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Consol
                 "local": (ModeResult("local", "local JSONL"), {}),
             }
             if phoenix is not None:
+                # As `up` exports (the services' span files shipped by one process), and as each
+                # service exporting itself does (RIPPLEMESH_SHIP_TRACES=0, as without `up`).
                 modes["otlp"] = (
-                    ModeResult("otlp", "OTLP to Phoenix"),
+                    ModeResult("otlp", "OTLP to Phoenix, shipped"),
                     {"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url},
+                )
+                modes["otlp_direct"] = (
+                    ModeResult("otlp_direct", "OTLP to Phoenix, from each service"),
+                    {"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url, "RIPPLEMESH_SHIP_TRACES": "0"},
                 )
             before = phoenix.span_count() if phoenix is not None else 0
             # Each mode's requests are split over ROUNDS meshes, the modes' order rotated each
@@ -409,7 +416,7 @@ def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Consol
                         console=console,
                         keep_traces=keep if mode == "local" else None,
                     )
-                    if phoenix is not None and mode == "otlp":
+                    if phoenix is not None and mode.startswith("otlp"):
                         # Until Phoenix has stored them: its inserting would otherwise take
                         # CPU from the next mode's mesh.
                         exported = result.counters.get(EXPORTED, 0.0)
@@ -509,32 +516,46 @@ def _print_tracing_table(
             f"tracing_{mode}_vs_off_cpu": ratios[2],
         }
     console.print(table)
-    otlp = results.get("otlp")
-    if otlp is None:
+    if "otlp" not in results:
         console.print(
             f"OTLP to a receiver: not measured (no Phoenix in {RECEIVERS_VENV}: run make receivers)"
         )
         return rows
+    for mode in ("otlp", "otlp_direct"):
+        rows |= _print_otlp_verdict(results[mode], off, console)
+    return rows
+
+
+def _print_otlp_verdict(otlp: ModeResult, off: ModeResult, console: Console) -> dict[str, float]:
+    """What one OTLP mode's export cost, two ways: its TTFT overhead against its own floor (the
+    floor measured while its exporter ran), and its mesh TTFT against tracing off's mesh, over
+    tracing off's overhead (the exporter's CPU slows the floor's round trips too, which the first
+    hides). The goal is read the second, stricter way."""
+    mode = otlp.mode
     exported = otlp.counters.get(EXPORTED, 0.0)
     dropped = {
         k.split(":", 1)[1]: v
         for k, v in otlp.counters.items()
         if k.startswith("ripplemesh_tracing_spans_dropped")
     }
-    rows |= {
-        "tracing_otlp_spans_exported": exported,
-        "tracing_otlp_spans_received": float(otlp.received or 0),
+    strict = (otlp.p("mesh", 0.5) - off.p("mesh", 0.5)) / off.overhead_ms(0.5)
+    rows = {
+        f"tracing_{mode}_spans_exported": exported,
+        f"tracing_{mode}_spans_received": float(otlp.received or 0),
+        f"tracing_{mode}_vs_off_mesh_p50": strict,
     }
-    rows |= {f"tracing_otlp_spans_dropped_{reason}": value for reason, value in dropped.items()}
+    rows |= {f"tracing_{mode}_spans_dropped_{reason}": value for reason, value in dropped.items()}
     console.print(
-        f"OTLP: {exported:.0f} spans accepted by Phoenix before each mesh stopped, {otlp.received} stored "
-        f"(those flushed at shutdown too); dropped: "
+        f"{otlp.label}: {exported:.0f} spans accepted by Phoenix before each mesh stopped, {otlp.received} "
+        f"stored (those flushed at shutdown too); dropped: "
         + (", ".join(f"{reason} {value:.0f}" for reason, value in sorted(dropped.items())) or "none")
     )
-    added, at_p99, cpu = (rows[f"tracing_otlp_vs_off_{k}"] - 1.0 for k in ("p50", "p99", "cpu"))
-    verdict = "meets" if added < TRACING_GOAL else "misses"
+    ratios = {k: otlp.overhead_ms(q) / off.overhead_ms(q) - 1.0 for k, q in (("p50", 0.5), ("p99", 0.99))}
+    cpu = otlp.cpu_ms / off.cpu_ms - 1.0
+    verdict = "meets" if strict < TRACING_GOAL else "misses"
     console.print(
-        f"OTLP export adds {added:+.1%} to the mesh's p50 TTFT overhead against tracing off "
-        f"({at_p99:+.1%} at p99, {cpu:+.1%} CPU per request): {verdict} the {TRACING_GOAL:.0%} goal"
+        f"{otlp.label}: the mesh's p50 TTFT is up {strict:+.1%} of tracing off's overhead on tracing off's "
+        f"({ratios['p50']:+.1%} on its own overhead against its own floor, {ratios['p99']:+.1%} at p99, "
+        f"{cpu:+.1%} CPU per request): {verdict} the {TRACING_GOAL:.0%} goal"
     )
     return rows

@@ -168,6 +168,16 @@ def bench_chaos(
     )
 
 
+@bench.command("restart")
+@click.option("--rounds", default=4, show_default=True, help="Kills of each service kind per mode.")
+def bench_restart(rounds: int) -> None:
+    """How soon a killed service is ready again: restarted as a new process against a fork of
+    the launcher's warm zygote, per service kind, side by side; and `up`'s start in each."""
+    from ripplemesh.bench.restart import run_restart_bench
+
+    run_restart_bench(rounds=rounds, console=Console())
+
+
 @bench.command("ledger")
 @click.option("--events", default=20_000, show_default=True, help="Lifecycle events to record.")
 @click.option("--batch", default=256, show_default=True, help="Events per transaction (group commit).")

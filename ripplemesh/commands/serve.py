@@ -29,6 +29,7 @@ _SERVICE_CLASSES = {
     "autoscaler": ("services.autoscaler.service", "AutoscalerService"),
     "ledger": ("services.ledger.service", "LedgerService"),
     "batch": ("services.batch.service", "BatchService"),
+    "trace-shipper": ("services.trace_shipper.service", "TraceShipperService"),
 }
 SERVICES = tuple(_SERVICE_CLASSES)
 

@@ -176,6 +176,16 @@ class EngineHost:
                 return
             await asyncio.sleep(0.1)
 
+    def predecessors_work_left_for(self, sent_at: float) -> float:
+        """For work sent at `sent_at` arriving now: how long to leave it to the routers (0: it
+        is this process's to serve). Work sent before this process started is a predecessor's;
+        the routers take it over while they scan for it, and the hand-back timeout after this
+        start (longer than their scan) it is served here, as `_wait_for_predecessors_work_to_leave`
+        does with what is left at the start."""
+        if sent_at >= self.started_at:
+            return 0.0
+        return max(0.0, self.started_at + HAND_BACK_TIMEOUT_S - time.time())
+
     async def _predecessors_work_left(self) -> bool:
         for phase in ("prefill", "decode"):
             try:

@@ -45,7 +45,7 @@ from schemas.events import (
     encode_event,
 )
 from schemas.subjects import control_subject, event_subject
-from services.mesh.consumer import Delivery
+from services.mesh.consumer import Deferred, Delivery
 
 if TYPE_CHECKING:
     from services.engines.base import Engine
@@ -70,6 +70,11 @@ DROPPED = Counter(
     "Work dropped on arrival because its request was already cancelled.",
     ["worker"],
 )
+HANDED_BACK = Counter(
+    "ripplemesh_worker_predecessor_work_deferred_total",
+    "Work sent to this worker id before this process started, left to the routers to take over.",
+    ["worker"],
+)
 DRAINING = Gauge("ripplemesh_worker_draining", "1 while the worker drains.", ["worker"])
 
 _cancel_decoder = msgspec.json.Decoder(RequestCancelled)
@@ -91,6 +96,8 @@ class LifecycleHost(Protocol):
     def state(self) -> WorkerState: ...
 
     async def heartbeat(self) -> None: ...
+
+    def predecessors_work_left_for(self, sent_at: float) -> float: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -139,6 +146,13 @@ class WorkerLifecycle:
         """A work handler that runs through `run` (stoppable, dropped once cancelled)."""
 
         async def run_guarded(work: W, delivery: Delivery) -> None:
+            # Work sent before this process started, stored only now (its publish retried
+            # through a stream's election, say): a predecessor's, which the routers take over.
+            # Served here too, it would be streamed twice; it waits for them instead.
+            wait_s = self.host.predecessors_work_left_for(work.occurred_at)
+            if wait_s > 0 and delivery.redeliverable:
+                HANDED_BACK.labels(self.worker_id).inc()
+                raise Deferred(wait_s, "a predecessor's work: the routers take it over")
             await self.run(work.request, work.event_id, lambda: handler(work, delivery))
 
         return run_guarded
@@ -254,6 +268,13 @@ class WorkerLifecycle:
             return
         if order.action == "revoke":
             for request_id in order.request_ids:
+                entry = self.inflight.get(request_id)
+                if (
+                    order.work_event_ids
+                    and entry is not None
+                    and entry.source_event_id not in order.work_event_ids
+                ):
+                    continue  # running for the work that replaced the revoked one: keep it
                 if self.stop(request_id, "revoked"):
                     log.info("request revoked", extra={"request_id": request_id, "reason": order.reason})
         elif order.action == "drain" and self._drain is None:

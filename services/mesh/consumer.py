@@ -89,12 +89,23 @@ class PermanentError(Exception):
     """The message is valid but can never be processed: dead-letter it now, do not retry."""
 
 
+class Deferred(Exception):
+    """Not this consumer's to handle now: put the message back, delivered again after `delay_s`
+    (a failure neither logged nor counted as one). Raise it only on a `redeliverable` delivery."""
+
+    def __init__(self, delay_s: float, reason: str):
+        super().__init__(reason)
+        self.delay_s = delay_s
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
     subject: str
     headers: dict[str, str]
     num_delivered: int
     stream_seq: int
+    # Whether the server delivers it again if it is put back (below the consumer's max_deliver).
+    redeliverable: bool = True
 
 
 Handler = Callable[[E, Delivery], Awaitable[None]]
@@ -379,7 +390,7 @@ class Consumer(Generic[E]):
                 extra={"consumer": name, "error": repr(failure)},
             )
             return
-        stored_delivery = _delivery_of(stored)
+        stored_delivery = _delivery_of(stored, self.spec.max_deliver)
         if isinstance(failure, PermanentError):
             await self._dead_letter(stored, stored_delivery, f"rejected by handler: {failure}")
             MESSAGES.labels(name, "dead_lettered").inc()
@@ -418,7 +429,7 @@ class Consumer(Generic[E]):
     async def _handle(self, msg: Msg) -> None:
         started = time.perf_counter()
         name = self.spec.durable
-        delivery = _delivery_of(msg)
+        delivery = _delivery_of(msg, self.spec.max_deliver)
         headers = delivery.headers
         try:
             event = self._decoder.decode(msg.data)
@@ -507,6 +518,10 @@ class Consumer(Generic[E]):
                     await self._dead_letter(msg, delivery, f"rejected by handler: {exc}")
                     MESSAGES.labels(name, "dead_lettered").inc()
                     return
+                except Deferred as exc:
+                    span.set_attribute("ripple.deferred", str(exc))
+                    await self._defer(msg, exc)
+                    return
                 except Exception as exc:
                     span.record_exception(exc)
                     span.set_status(Status(StatusCode.ERROR, repr(exc)))
@@ -522,7 +537,15 @@ class Consumer(Generic[E]):
         self._count_ok.inc()
         self._handler_seconds.observe(time.perf_counter() - started)
 
+    async def _defer(self, msg: Msg, deferred: Deferred) -> None:
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=deferred.delay_s)
+        MESSAGES.labels(self.spec.durable, "deferred").inc()
+
     async def _retry_or_dead_letter(self, msg: Msg, delivery: Delivery, exc: Exception) -> None:
+        if isinstance(exc, Deferred):  # a direct copy's handler deferred it: so is the stored one
+            await self._defer(msg, exc)
+            return
         attempt = delivery.num_delivered
         if attempt >= self.spec.max_deliver:
             await self._dead_letter(msg, delivery, f"failed after {attempt} deliveries: {exc!r}")
@@ -591,13 +614,15 @@ class Consumer(Generic[E]):
             log.error("max-deliveries advisory not handled", extra={"error": repr(exc)})
 
 
-def _delivery_of(msg: Msg) -> Delivery:
+def _delivery_of(msg: Msg, max_deliver: int) -> Delivery:
     headers = dict(msg.headers or {})
     try:
         meta = msg.metadata
-        return Delivery(msg.subject, headers, meta.num_delivered, meta.sequence.stream)
+        delivered = meta.num_delivered
+        again = max_deliver < 0 or delivered < max_deliver
+        return Delivery(msg.subject, headers, delivered, meta.sequence.stream, again)
     except Exception:
-        return Delivery(msg.subject, headers, 1, 0)
+        return Delivery(msg.subject, headers, 1, 0, max_deliver < 0 or max_deliver > 1)
 
 
 class _Running:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.mesh.nats_auth import NatsAuth
+from services.mesh.processes import die_with_parent
 
 CLUSTER_NAME = "ripplemesh"
 
@@ -220,7 +221,7 @@ class EmbeddedNats:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
 
     def render_config(self, node: NatsNode) -> str:
@@ -283,13 +284,3 @@ def _healthy(node: NatsNode) -> bool:
             return bool(response.status == 200)
     except Exception:
         return False
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this child when its parent dies, so no server outlives the mesh."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    os.setpgrp()

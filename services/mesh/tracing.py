@@ -308,16 +308,28 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def otlp_processor(endpoint: str | None = None) -> BoundedBatchSpanProcessor:
-    """Export over OTLP/HTTP to `endpoint` (a ``.../v1/traces`` URL) or, with none, where the
-    ``OTEL_EXPORTER_OTLP_*`` variables say."""
+def otlp_span_exporter(endpoint: str | None = None) -> SpanExporter:
+    """The OTLP/HTTP exporter to `endpoint` (a ``.../v1/traces`` URL) or, with none, where the
+    ``OTEL_EXPORTER_OTLP_*`` variables say; each export given `EXPORT_TIMEOUT_S` unless they
+    say otherwise."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     timeout_set = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_TIMEOUT"
     )
-    exporter = OTLPSpanExporter(endpoint=endpoint, timeout=None if timeout_set else EXPORT_TIMEOUT_S)
-    return BoundedBatchSpanProcessor(exporter)
+    return OTLPSpanExporter(endpoint=endpoint, timeout=None if timeout_set else EXPORT_TIMEOUT_S)
+
+
+def otlp_processor(endpoint: str | None = None) -> BoundedBatchSpanProcessor:
+    """Export over OTLP/HTTP from this process (see `otlp_span_exporter`)."""
+    return BoundedBatchSpanProcessor(otlp_span_exporter(endpoint))
+
+
+def traces_shipped() -> bool:
+    """``RIPPLEMESH_TRACES_SHIPPED=1`` (set by `up` when it runs the trace shipper): spans go to
+    the local file even with an OTLP endpoint set; the shipper exports them
+    (services/trace_shipper/)."""
+    return os.environ.get("RIPPLEMESH_TRACES_SHIPPED", "") == "1"
 
 
 # The provider installed with tracing disabled (it hands out no-op tracers): there is then no
@@ -342,7 +354,7 @@ def setup_tracing(service: str, data_dir: Path) -> TracerProvider:
     provider = TracerProvider(resource=resource, id_generator=_ids)
     processor: SpanProcessor
     local: LocalSpanExporter | None = None
-    if otlp_configured():
+    if otlp_configured() and not traces_shipped():
         processor = otlp_processor()
     else:
         local = LocalSpanExporter(traces_dir(data_dir) / f"{service}-{os.getpid()}.jsonl")

@@ -96,7 +96,10 @@ class Liveness:
             return  # an older heartbeat, replayed by a new watch
         self.gone.pop(worker_id, None)
         if started_at is not None and heartbeat_at - started_at <= self.predecessor_scan_for_s:
-            first_heard = known is None and worker_id not in self.restarted
+            # First heard of since its entry went (or since this router started), unless as the
+            # incarnation already recorded: a second restart within the window scans anew.
+            previous = self.restarted.get(worker_id)
+            first_heard = known is None and (previous is None or started_at > previous.cutoff)
             newer = known is not None and known.started_at is not None and started_at > known.started_at
             if first_heard or newer:
                 self.restarted[worker_id] = _Predecessor(cutoff=started_at)

@@ -451,10 +451,10 @@ class Migrator:
                 ),
             )
             await self._delete(raw)
-            await self._revoke(worker_id, rid, "migration limit reached")
+            await self._revoke(worker_id, rid, item.event_id, "migration limit reached")
             return "failed"
         assert isinstance(decision, Resume)
-        await self._migrate(raw, decision, worker_id, phase, reason)
+        await self._migrate(raw, item.event_id, decision, worker_id, phase, reason)
         return "migrated"
 
     async def _completed_for(
@@ -490,6 +490,7 @@ class Migrator:
     async def _migrate(
         self,
         raw: jsapi.RawStreamMsg,
+        work_event_id: str,
         decision: Resume,
         worker_id: str,
         phase: Literal["prefill", "decode"],
@@ -551,7 +552,7 @@ class Migrator:
                 ),
             )
         await self._delete(raw)
-        await self._revoke(worker_id, rid, f"migrated ({reason})")
+        await self._revoke(worker_id, rid, work_event_id, f"migrated ({reason})")
         log.info(
             "request migrated",
             extra={
@@ -569,14 +570,17 @@ class Migrator:
         with contextlib.suppress(NotFoundError):  # another router replica was first
             await self.runtime.bus.js.delete_msg(WORK.name, raw.seq)
 
-    async def _revoke(self, worker_id: str, request_id: str, reason: str) -> None:
-        """Tell the old worker to drop the request, in case it was only slow, not gone."""
+    async def _revoke(self, worker_id: str, request_id: str, work_event_id: str, reason: str) -> None:
+        """Tell the old worker to drop the request, in case it was only slow, not gone: the
+        request as it runs for the work taken over, not for the work that replaced it (placed
+        back on a restarted worker of the same id, it runs there under the same request id)."""
         order = WorkerControl(
             event_id=new_event_id(),
             occurred_at=time.time(),
             worker_id=worker_id,
             action="revoke",
             request_ids=[request_id],
+            work_event_ids=[work_event_id],
             reason=reason,
         )
         with contextlib.suppress(Exception):
