@@ -14,7 +14,7 @@ SERVICES = ("ingress", "admission", "router", "prefill-0", "decode-0", "ledger",
 
 def test_the_overhead_bench_prints_mesh_floor_ratio_and_cpu_by_service() -> None:
     out = io.StringIO()
-    rows = run_overhead_bench(rate=50.0, count=40, prefill=1, console=Console(file=out, width=120))
+    rows = run_overhead_bench(rate=50.0, count=40, prefill=1, console=Console(file=out, width=120), rounds=1)
     printed = out.getvalue()
 
     # Five services and five JetStream or core hops cannot beat five bare round trips in one hot

@@ -53,8 +53,9 @@ from services.mesh.processes import die_with_parent
 HOPS = 5
 # The goal for tracing: exporting to a receiver adds under this to the mesh's TTFT overhead.
 TRACING_GOAL = 0.10
-# Meshes per tracing mode, each serving its share of the requests.
-ROUNDS = 2
+# Meshes per tracing mode, each serving its share of the requests: with the modes' order
+# rotated each round, four rounds put each of the four modes in each place once.
+ROUNDS = 4
 EXPORTED = "ripplemesh_tracing_spans_exported_total"
 
 # The receivers' venv (`make receivers`), at the repository's root.
@@ -374,7 +375,9 @@ def _wait_received(phoenix: Phoenix, at_least: int, timeout_s: float = 300.0) ->
     return last
 
 
-def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Console) -> dict[str, float]:
+def run_overhead_bench(
+    *, rate: float, count: int, prefill: int, console: Console, rounds: int = ROUNDS
+) -> dict[str, float]:
     keep = os.environ.get("RIPPLEMESH_BENCH_TRACES")
     with tempfile.TemporaryDirectory(prefix="ripplemesh-bench-") as tmp:
         data = Path(tmp)
@@ -398,20 +401,21 @@ def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Consol
                     ModeResult("otlp_direct", "OTLP to Phoenix, from each service"),
                     {"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url, "RIPPLEMESH_SHIP_TRACES": "0"},
                 )
-            before = phoenix.span_count() if phoenix is not None else 0
             # Each mode's requests are split over ROUNDS meshes, the modes' order rotated each
             # round: whatever drifts on the machine meanwhile (and the first mesh's cold start)
             # falls on every mode alike.
             order = list(modes)
-            for round_ in range(ROUNDS):
+            for round_ in range(rounds):
                 for mode in order[round_ % len(order) :] + order[: round_ % len(order)]:
                     result, env = modes[mode]
+                    stored_before = phoenix.span_count() if phoenix is not None else 0
+                    exported_before = result.counters.get(EXPORTED, 0.0)
                     _run_mode(
                         result,
                         data,
                         env,
                         rate=rate,
-                        count=max(10, count // ROUNDS),
+                        count=max(10, count // rounds),
                         prefill=prefill,
                         console=console,
                         keep_traces=keep if mode == "local" else None,
@@ -419,11 +423,12 @@ def run_overhead_bench(*, rate: float, count: int, prefill: int, console: Consol
                     if phoenix is not None and mode.startswith("otlp"):
                         # Until Phoenix has stored them: its inserting would otherwise take
                         # CPU from the next mode's mesh.
-                        exported = result.counters.get(EXPORTED, 0.0)
-                        result.received = _wait_received(phoenix, before + int(exported)) - before
+                        exported = int(result.counters.get(EXPORTED, 0.0) - exported_before)
+                        stored = _wait_received(phoenix, stored_before + exported)
+                        result.received += stored - stored_before
     results = {mode: result for mode, (result, _) in modes.items()}
     rows = _print_mesh_tables(results["local"], rate=rate, prefill=prefill, console=console)
-    rows |= _print_tracing_table(results, rate=rate, console=console)
+    rows |= _print_tracing_table(results, rate=rate, rounds=rounds, console=console)
     return rows
 
 
@@ -479,13 +484,13 @@ def _print_mesh_tables(
 
 
 def _print_tracing_table(
-    results: dict[str, ModeResult], *, rate: float, console: Console
+    results: dict[str, ModeResult], *, rate: float, rounds: int, console: Console
 ) -> dict[str, float]:
     """Each tracing mode's TTFT overhead (mesh - floor) and CPU, and its ratio to tracing off."""
     off = results["off"]
     table = Table(
         title=f"Tracing's cost: TTFT overhead (mesh - floor) by tracing mode, ms; {len(off.mesh_s)} "
-        f"requests at {rate:g}/s per mode over {ROUNDS} meshes each"
+        f"requests at {rate:g}/s per mode over {rounds} meshes each"
     )
     for column in ("tracing", "mesh p50", "floor p50", "overhead p50", "x off", "overhead p99", "x off"):
         table.add_column(column, justify="right")

@@ -20,11 +20,14 @@ def bench() -> None:
 @click.option("--rate", default=50.0, show_default=True, help="Requests per second.")
 @click.option("--requests", "count", default=500, show_default=True)
 @click.option("--prefill", default=1, show_default=True)
-def bench_overhead(rate: float, count: int, prefill: int) -> None:
+@click.option(
+    "--rounds", default=4, show_default=True, help="Meshes per tracing mode, the modes' order rotated each."
+)
+def bench_overhead(rate: float, count: int, prefill: int, rounds: int) -> None:
     """Mesh time to first token (zero compute) against bare NATS request/reply round trips."""
     from ripplemesh.bench.overhead import run_overhead_bench
 
-    run_overhead_bench(rate=rate, count=count, prefill=prefill, console=Console())
+    run_overhead_bench(rate=rate, count=count, prefill=prefill, console=Console(), rounds=rounds)
 
 
 @bench.command("engine")
@@ -341,7 +344,7 @@ def bench_batch(
     try:
         if quick:
             config = dataclasses.replace(QUICK, fleet=fleet, amplitude=amplitude)
-            chosen = QUICK_SEEDS
+            chosen: tuple[int, ...] = QUICK_SEEDS
         else:
             config = DayConfig(fleet=fleet, rate=rate, lines=lines, day_s=day_s, amplitude=amplitude)
             chosen = tuple(parse_seeds(seeds))

@@ -4,9 +4,9 @@ Heartbeats (the worker's `WorkerState` in the WORKERS KV bucket), running a pref
 inside GenAI-convention spans, streaming token chunks with their sequence numbers, and reporting
 GPU time in lifecycle events for the ledger.
 
-A worker restarted under its id (its predecessor killed, so never deregistered) leaves the
-predecessor's unfinished work to the routers before it takes any: see
-`_wait_for_predecessors_work_to_leave`.
+A worker restarted under its id (its predecessor killed, so never deregistered) takes new work
+at once and leaves the predecessor's unfinished work to the routers: see
+`predecessors_work_left_for`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any, Literal
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import NotFoundError
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge
 
@@ -43,19 +42,17 @@ from schemas.events import (
     encode_event,
 )
 from schemas.subjects import (
-    WORK,
     WORKERS,
     event_subject,
     kv_dump_subject,
     kv_subject,
     tokens_subject,
-    work_subject,
 )
 from services.engines.base import Engine, EngineError, PrefillResult
 from services.engines.lifecycle import WorkerLifecycle
 from services.engines.ripple import RippleRecorder
 from services.mesh import kv_dump
-from services.mesh.completion import decode_completed, sent_at
+from services.mesh.completion import decode_completed
 from services.mesh.resumption import first_seq, output_before, prompt_proper
 from services.mesh.runtime import Runtime
 from services.mesh.tracing import REQUEST_ID, LateSpan, link_to
@@ -142,7 +139,6 @@ class EngineHost:
         self.runtime.spawn(
             self.runtime.every(self.kv_events_every_s, self.publish_kv_events, "kv-events"), "kv-events"
         )
-        await self._wait_for_predecessors_work_to_leave()
         log.info("engine ready", extra={"engine": info.engine, "model": info.model, "gpu": info.gpu_type})
 
     async def stop(self) -> None:
@@ -156,47 +152,18 @@ class EngineHost:
         await self.engine.stop()
         await self.lifecycle.close()
 
-    async def _wait_for_predecessors_work_to_leave(self) -> None:
-        """Work sent to this worker id before this process started is a predecessor's that did
-        not stop (killed, crashed). The routers take it over, seeing the predecessor lost or
-        this worker's new `started_at` (services/router/liveness.py), and migrate its requests
-        mid-stream from what their clients already received. Until it has left the worker's
-        subjects the worker does not consume, so no request is started over here and streamed
-        twice; bounded (with no router running, it then serves what is left itself)."""
-        if not await self._predecessors_work_left():
-            return
-        log.warning("a predecessor's work is left; it goes to the routers", extra={"worker": self.worker_id})
-        deadline = time.monotonic() + HAND_BACK_TIMEOUT_S
-        while await self._predecessors_work_left():
-            if time.monotonic() > deadline:
-                log.warning(
-                    "the routers did not take the predecessor's work within the timeout; serving it here",
-                    extra={"worker": self.worker_id, "timeout_s": HAND_BACK_TIMEOUT_S},
-                )
-                return
-            await asyncio.sleep(0.1)
-
     def predecessors_work_left_for(self, sent_at: float) -> float:
-        """For work sent at `sent_at` arriving now: how long to leave it to the routers (0: it
-        is this process's to serve). Work sent before this process started is a predecessor's;
-        the routers take it over while they scan for it, and the hand-back timeout after this
-        start (longer than their scan) it is served here, as `_wait_for_predecessors_work_to_leave`
-        does with what is left at the start."""
+        """For work sent at `sent_at`: how long to leave it to the routers (0: it is this
+        process's to serve). Work sent before this process started is a predecessor's (killed,
+        crashed): the routers take it over, seeing the predecessor lost or this worker's new
+        `started_at` (services/router/liveness.py), and migrate its requests mid-stream from what
+        their clients already received; served here too, a request would be streamed twice. It
+        is put back (`Deferred`) until `HAND_BACK_TIMEOUT_S` after this start, longer than the
+        routers scan for it, and served here only then (no router running). Meanwhile the worker
+        serves new work: it is back as soon as it is connected."""
         if sent_at >= self.started_at:
             return 0.0
         return max(0.0, self.started_at + HAND_BACK_TIMEOUT_S - time.time())
-
-    async def _predecessors_work_left(self) -> bool:
-        for phase in ("prefill", "decode"):
-            try:
-                raw = await self.runtime.bus.js.get_msg(
-                    WORK.name, seq=1, subject=work_subject(phase, self.worker_id), next=True
-                )
-            except NotFoundError:
-                continue
-            if sent_at(raw.data) < self.started_at:
-                return True
-        return False
 
     def health(self) -> dict[str, Any]:
         """What /healthz shows of a worker: its engine's load, now (not as of the heartbeat)."""

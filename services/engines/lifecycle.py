@@ -146,11 +146,12 @@ class WorkerLifecycle:
         """A work handler that runs through `run` (stoppable, dropped once cancelled)."""
 
         async def run_guarded(work: W, delivery: Delivery) -> None:
-            # Work sent before this process started, stored only now (its publish retried
-            # through a stream's election, say): a predecessor's, which the routers take over.
-            # Served here too, it would be streamed twice; it waits for them instead.
+            # Work sent before this process started (left by a killed predecessor, or stored
+            # late, its publish retried through a stream's election): the routers take it over.
+            # Served here too, it would be streamed twice; it waits for them instead, on the
+            # stream, while this worker serves what was sent to it.
             wait_s = self.host.predecessors_work_left_for(work.occurred_at)
-            if wait_s > 0 and delivery.redeliverable:
+            if wait_s > 0:
                 HANDED_BACK.labels(self.worker_id).inc()
                 raise Deferred(wait_s, "a predecessor's work: the routers take it over")
             await self.run(work.request, work.event_id, lambda: handler(work, delivery))

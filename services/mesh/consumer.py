@@ -91,7 +91,7 @@ class PermanentError(Exception):
 
 class Deferred(Exception):
     """Not this consumer's to handle now: put the message back, delivered again after `delay_s`
-    (a failure neither logged nor counted as one). Raise it only on a `redeliverable` delivery."""
+    if it has deliveries left (a failure neither logged nor counted as one)."""
 
     def __init__(self, delay_s: float, reason: str):
         super().__init__(reason)
@@ -104,8 +104,6 @@ class Delivery:
     headers: dict[str, str]
     num_delivered: int
     stream_seq: int
-    # Whether the server delivers it again if it is put back (below the consumer's max_deliver).
-    redeliverable: bool = True
 
 
 Handler = Callable[[E, Delivery], Awaitable[None]]
@@ -390,7 +388,7 @@ class Consumer(Generic[E]):
                 extra={"consumer": name, "error": repr(failure)},
             )
             return
-        stored_delivery = _delivery_of(stored, self.spec.max_deliver)
+        stored_delivery = _delivery_of(stored)
         if isinstance(failure, PermanentError):
             await self._dead_letter(stored, stored_delivery, f"rejected by handler: {failure}")
             MESSAGES.labels(name, "dead_lettered").inc()
@@ -429,7 +427,7 @@ class Consumer(Generic[E]):
     async def _handle(self, msg: Msg) -> None:
         started = time.perf_counter()
         name = self.spec.durable
-        delivery = _delivery_of(msg, self.spec.max_deliver)
+        delivery = _delivery_of(msg)
         headers = delivery.headers
         try:
             event = self._decoder.decode(msg.data)
@@ -614,15 +612,13 @@ class Consumer(Generic[E]):
             log.error("max-deliveries advisory not handled", extra={"error": repr(exc)})
 
 
-def _delivery_of(msg: Msg, max_deliver: int) -> Delivery:
+def _delivery_of(msg: Msg) -> Delivery:
     headers = dict(msg.headers or {})
     try:
         meta = msg.metadata
-        delivered = meta.num_delivered
-        again = max_deliver < 0 or delivered < max_deliver
-        return Delivery(msg.subject, headers, delivered, meta.sequence.stream, again)
+        return Delivery(msg.subject, headers, meta.num_delivered, meta.sequence.stream)
     except Exception:
-        return Delivery(msg.subject, headers, 1, 0, max_deliver < 0 or max_deliver > 1)
+        return Delivery(msg.subject, headers, 1, 0)
 
 
 class _Running:
