@@ -44,7 +44,7 @@ from services.mesh.config import load_config
 from services.mesh.embedded_nats import EmbeddedNats, free_port
 from services.mesh.nats_auth import NatsAuth, NatsCredentials, auth_for_config, save_credentials
 from services.mesh.processes import die_with_parent
-from services.mesh.tracing import traces_dir
+from services.mesh.tracing import otlp_configured, traces_dir, tracing_disabled
 from services.trace_shipper.files import mark_existing_as_shipped
 
 log = logging.getLogger("ripplemesh.launcher")
@@ -174,8 +174,7 @@ class Mesh:
     @property
     def shipping_traces(self) -> bool:
         env = {**os.environ, **self.env}
-        otlp = bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-        if not otlp or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        if not otlp_configured(env) or tracing_disabled(env):
             return False
         if self.ship_traces is not None:
             return self.ship_traces
@@ -338,14 +337,17 @@ class Mesh:
         env = {**os.environ, **self.env}
         if self.shipping_traces and child.name != TRACE_SHIPPER:
             env["RIPPLEMESH_TRACES_SHIPPED"] = "1"  # the shipper exports their spans
+        warm: ChildProcess | None = None
         if warm_starts_enabled(child.args):
             # A fork of a parent that imported the services already: a restart is not slowed
             # by a second of imports (ripplemesh/spawner.py).
             try:
-                child.process = start_warm(child.args, env, child.log_path)
+                warm = start_warm(child.args, env, child.log_path)
             except (OSError, RuntimeError) as exc:
                 log.warning("warm start failed (%s); starting %s as a new process", exc, child.name)
-        if child.process is None or child.process.poll() is not None:
+        if warm is not None:
+            child.process = warm
+        else:
             with child.log_path.open("ab") as output:
                 child.process = subprocess.Popen(
                     child.args,

@@ -173,15 +173,14 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     return entry
 
 
-def otlp_configured() -> bool:
-    return bool(
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
+def otlp_configured(env: Mapping[str, str] = os.environ) -> bool:
+    """An OTLP endpoint set in `env` (this process's environment, or a child's to be)."""
+    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
-def tracing_disabled() -> bool:
+def tracing_disabled(env: Mapping[str, str] = os.environ) -> bool:
     """``OTEL_SDK_DISABLED=true``: the standard switch, read as the SDK reads it."""
-    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
 # Export to a receiver (OTLP). The queue holds spans ended since the last export: about 3 KB each,
