@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from ripplemesh.bench.overhead import phoenix_binary, run_overhead_bench
+from ripplemesh.bench.overhead import paired_interval, phoenix_binary, run_overhead_bench
 
 SERVICES = ("ingress", "admission", "router", "prefill-0", "decode-0", "ledger", "autoscaler", "batch")
 
@@ -42,3 +42,21 @@ def test_the_overhead_bench_prints_mesh_floor_ratio_and_cpu_by_service() -> None
             assert rows[f"tracing_{mode}_spans_received"] > 0, printed
             assert f"tracing_{mode}_vs_off_mesh_p50" in rows
         assert "OTLP to Phoenix, shipped" in printed and "from each service" in printed
+
+
+def test_the_tracing_verdict_reads_round_by_round_differences_with_their_interval() -> None:
+    # Tracing off's meshes drift (2.0 -> 3.0 ms) and each OTLP mesh ran beside one: the pairs
+    # differ by 0.1 ms every round, 5% of a 2 ms overhead, however far the rounds drift.
+    mean, low, high = paired_interval([2.1, 2.6, 3.1], [2.0, 2.5, 3.0], scale_ms=2.0)
+    assert (mean, low, high) == pytest.approx((0.05, 0.05, 0.05))
+    # Noisy pairs: the interval widens past the 10% goal on both sides, so neither can be claimed.
+    mean, low, high = paired_interval([2.4, 1.8, 2.3, 1.9], [2.0, 2.2, 2.0, 2.1], scale_ms=2.0)
+    assert low < 0.10 < high
+    assert paired_interval([2.2], [2.0], scale_ms=2.0)[1:] == (float("-inf"), float("inf"))
+
+
+def test_the_bench_refuses_an_unknown_tracing_mode() -> None:
+    with pytest.raises(ValueError, match="unknown tracing modes"):
+        run_overhead_bench(
+            rate=50.0, count=10, prefill=1, console=Console(file=io.StringIO()), modes=("otpl",)
+        )

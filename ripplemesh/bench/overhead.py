@@ -57,6 +57,11 @@ TRACING_GOAL = 0.10
 # rotated each round, four rounds put each of the four modes in each place once.
 ROUNDS = 4
 EXPORTED = "ripplemesh_tracing_spans_exported_total"
+MODES = ("off", "local", "otlp", "otlp_direct")
+# Student's t at 95% one-sided (a 90% two-sided interval), by degrees of freedom (rounds - 1):
+# the statistics table, for the interval of a mode's per-round difference from tracing off.
+T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+T_95_LARGE = 1.645  # df >= 10: near enough the normal's
 
 # The receivers' venv (`make receivers`), at the repository's root.
 RECEIVERS_VENV = Path(
@@ -301,8 +306,10 @@ class ModeResult:
     cpu_s: dict[str, float] = field(default_factory=dict)  # by service, over every run
     counters: dict[str, float] = field(default_factory=dict)  # summed over every run
     received: int = 0  # spans the receiver stored (OTLP), its runs together
+    round_mesh_p50_ms: list[float] = field(default_factory=list)  # each mesh's own p50, in round order
 
     def add(self, mesh_s: list[float], floor_s: list[float], cpu_per_request: dict[str, float]) -> None:
+        self.round_mesh_p50_ms.append(_percentile(mesh_s, 0.5) * 1e3)
         self.mesh_s += mesh_s
         self.floor_s += floor_s
         for name, seconds in cpu_per_request.items():
@@ -376,38 +383,51 @@ def _wait_received(phoenix: Phoenix, at_least: int, timeout_s: float = 300.0) ->
 
 
 def run_overhead_bench(
-    *, rate: float, count: int, prefill: int, console: Console, rounds: int = ROUNDS
+    *,
+    rate: float,
+    count: int,
+    prefill: int,
+    console: Console,
+    rounds: int = ROUNDS,
+    modes: tuple[str, ...] = MODES,
 ) -> dict[str, float]:
+    """`modes`: which of MODES to measure; tracing off always is (every ratio is to it)."""
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown tracing modes {sorted(unknown)}; known: {', '.join(MODES)}")
     keep = os.environ.get("RIPPLEMESH_BENCH_TRACES")
     with tempfile.TemporaryDirectory(prefix="ripplemesh-bench-") as tmp:
         data = Path(tmp)
         with contextlib.ExitStack() as stack:
             # Started (and idle) before any mesh is measured: its start-up takes seconds of CPU.
             phoenix = (
-                stack.enter_context(running_phoenix(data / "phoenix", nice=19)) if phoenix_binary() else None
+                stack.enter_context(running_phoenix(data / "phoenix", nice=19))
+                if phoenix_binary() and any(m.startswith("otlp") for m in modes)
+                else None
             )
-            modes: dict[str, tuple[ModeResult, dict[str, str]]] = {
+            planned: dict[str, tuple[ModeResult, dict[str, str]]] = {
                 "off": (ModeResult("off", "off"), {"OTEL_SDK_DISABLED": "true"}),
                 "local": (ModeResult("local", "local JSONL"), {}),
             }
             if phoenix is not None:
                 # As `up` exports (the services' span files shipped by one process), and as each
                 # service exporting itself does (RIPPLEMESH_SHIP_TRACES=0, as without `up`).
-                modes["otlp"] = (
+                planned["otlp"] = (
                     ModeResult("otlp", "OTLP to Phoenix, shipped"),
                     {"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url},
                 )
-                modes["otlp_direct"] = (
+                planned["otlp_direct"] = (
                     ModeResult("otlp_direct", "OTLP to Phoenix, from each service"),
                     {"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url, "RIPPLEMESH_SHIP_TRACES": "0"},
                 )
+            modes_run = {m: v for m, v in planned.items() if m == "off" or m in modes}
             # Each mode's requests are split over ROUNDS meshes, the modes' order rotated each
             # round: whatever drifts on the machine meanwhile (and the first mesh's cold start)
             # falls on every mode alike.
-            order = list(modes)
+            order = list(modes_run)
             for round_ in range(rounds):
                 for mode in order[round_ % len(order) :] + order[: round_ % len(order)]:
-                    result, env = modes[mode]
+                    result, env = modes_run[mode]
                     stored_before = phoenix.span_count() if phoenix is not None else 0
                     exported_before = result.counters.get(EXPORTED, 0.0)
                     _run_mode(
@@ -426,8 +446,10 @@ def run_overhead_bench(
                         exported = int(result.counters.get(EXPORTED, 0.0) - exported_before)
                         stored = _wait_received(phoenix, stored_before + exported)
                         result.received += stored - stored_before
-    results = {mode: result for mode, (result, _) in modes.items()}
-    rows = _print_mesh_tables(results["local"], rate=rate, prefill=prefill, console=console)
+    results = {mode: result for mode, (result, _) in modes_run.items()}
+    rows = _print_mesh_tables(
+        results.get("local", results["off"]), rate=rate, prefill=prefill, console=console
+    )
     rows |= _print_tracing_table(results, rate=rate, rounds=rounds, console=console)
     return rows
 
@@ -435,7 +457,8 @@ def run_overhead_bench(
 def _print_mesh_tables(
     result: ModeResult, *, rate: float, prefill: int, console: Console
 ) -> dict[str, float]:
-    """The mesh against the floor, and its CPU by service, with tracing as it is by default."""
+    """The mesh against the floor, and its CPU by service, with tracing as it is by default
+    (local JSONL; tracing off when that mode is not measured)."""
     mesh_s, floor_s, cpu_per_request = result.mesh_s, result.floor_s, result.cpu_per_request
     count = len(mesh_s)
     rows = {
@@ -448,7 +471,7 @@ def _print_mesh_tables(
     rows["overhead_p50_ms"] = rows["mesh_p50_ms"] - rows["floor_p50_ms"]
     table = Table(
         title=f"Time to first token, zero compute: {count} requests at {rate:g}/s, "
-        f"{'disaggregated' if prefill else 'aggregated'}, tracing to local JSONL (the default)"
+        f"{'disaggregated' if prefill else 'aggregated'}, tracing {result.label}"
     )
     for column in ("", "p50 ms", "p99 ms"):
         table.add_column(column, justify="right")
@@ -521,14 +544,29 @@ def _print_tracing_table(
             f"tracing_{mode}_vs_off_cpu": ratios[2],
         }
     console.print(table)
-    if "otlp" not in results:
+    if phoenix_binary() is None and not any(m.startswith("otlp") for m in results):
         console.print(
             f"OTLP to a receiver: not measured (no Phoenix in {RECEIVERS_VENV}: run make receivers)"
         )
         return rows
     for mode in ("otlp", "otlp_direct"):
-        rows |= _print_otlp_verdict(results[mode], off, console)
+        if mode in results:
+            rows |= _print_otlp_verdict(results[mode], off, console)
     return rows
+
+
+def paired_interval(
+    mode_p50_ms: list[float], off_p50_ms: list[float], scale_ms: float
+) -> tuple[float, float, float]:
+    """The mean of a mode's per-round difference from tracing off's mesh p50 (each round's two
+    meshes ran one after the other, so a drift of the machine falls on both), over `scale_ms`,
+    and its 90% interval (Student's t): (mean, low, high). One round: no interval (±inf)."""
+    diffs = [(mode - off) / scale_ms for mode, off in zip(mode_p50_ms, off_p50_ms, strict=True)]
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, float("-inf"), float("inf")
+    half = T_95.get(len(diffs) - 1, T_95_LARGE) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return mean, mean - half, mean + half
 
 
 def _print_otlp_verdict(otlp: ModeResult, off: ModeResult, console: Console) -> dict[str, float]:
@@ -557,10 +595,20 @@ def _print_otlp_verdict(otlp: ModeResult, off: ModeResult, console: Console) -> 
     )
     ratios = {k: otlp.overhead_ms(q) / off.overhead_ms(q) - 1.0 for k, q in (("p50", 0.5), ("p99", 0.99))}
     cpu = otlp.cpu_ms / off.cpu_ms - 1.0
-    verdict = "meets" if strict < TRACING_GOAL else "misses"
+    mean, low, high = paired_interval(otlp.round_mesh_p50_ms, off.round_mesh_p50_ms, off.overhead_ms(0.5))
+    rows |= {
+        f"tracing_{mode}_vs_off_round_mean": mean,
+        f"tracing_{mode}_vs_off_low": low,
+        f"tracing_{mode}_vs_off_high": high,
+    }
+    # The goal is shown met only when the interval lies under it, missed only when above it.
+    verdict = (
+        "meets" if high < TRACING_GOAL else "misses" if low > TRACING_GOAL else "cannot tell, at this noise,"
+    )
     console.print(
         f"{otlp.label}: the mesh's p50 TTFT is up {strict:+.1%} of tracing off's overhead on tracing off's "
         f"({ratios['p50']:+.1%} on its own overhead against its own floor, {ratios['p99']:+.1%} at p99, "
-        f"{cpu:+.1%} CPU per request): {verdict} the {TRACING_GOAL:.0%} goal"
+        f"{cpu:+.1%} CPU per request); round by round {mean:+.1%}, 90% interval {low:+.1%} to {high:+.1%} "
+        f"over {len(otlp.round_mesh_p50_ms)} rounds: {verdict} the {TRACING_GOAL:.0%} goal"
     )
     return rows

@@ -23,11 +23,23 @@ def bench() -> None:
 @click.option(
     "--rounds", default=4, show_default=True, help="Meshes per tracing mode, the modes' order rotated each."
 )
-def bench_overhead(rate: float, count: int, prefill: int, rounds: int) -> None:
+@click.option(
+    "--modes",
+    default="off,local,otlp,otlp_direct",
+    show_default=True,
+    help="Tracing modes to measure, comma-separated; off always is.",
+)
+def bench_overhead(rate: float, count: int, prefill: int, rounds: int, modes: str) -> None:
     """Mesh time to first token (zero compute) against bare NATS request/reply round trips."""
     from ripplemesh.bench.overhead import run_overhead_bench
 
-    run_overhead_bench(rate=rate, count=count, prefill=prefill, console=Console(), rounds=rounds)
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    try:
+        run_overhead_bench(
+            rate=rate, count=count, prefill=prefill, console=Console(), rounds=rounds, modes=chosen
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--modes") from exc
 
 
 @bench.command("engine")

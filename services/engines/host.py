@@ -398,6 +398,9 @@ class EngineHost:
         )
         if hand_off is not None:
             await hand_off(result)
+            # This worker's part ends here: its first chunk must be stored before the work is
+            # acked (`Bus.flush_fast`). In place, decode's own flush covers it.
+            await self.runtime.bus.flush_fast(tokens_subject(request.tenant, request.request_id))
         # The prompt's blocks are cached now: tell the routers at once, not at the next tick, so
         # a request sharing the prefix that comes right after this one is placed knowing it.
         try:
@@ -494,6 +497,10 @@ class EngineHost:
             completion_tokens=output_before(request) + generated,
             cached_tokens=cached_tokens,
         )
+        # Every chunk stored before the stream is marked finished and the work acked: after the
+        # ack nothing would migrate the request, so a chunk only this process holds (its ack
+        # lost with a NATS node) would be lost with it.
+        await self.runtime.bus.flush_fast(subject)
         now = time.time()
         GPU_SECONDS.labels(*self._labels, "decode").inc(decode_gpu_s)
         await self.runtime.bus.publish(

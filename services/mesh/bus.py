@@ -229,7 +229,7 @@ class Bus:
         )
         self._unacked: deque[_Unacked] = deque()
         self._sweeper: asyncio.Task[None] | None = None
-        self._republishing: set[asyncio.Task[None]] = set()
+        self._republishing: dict[asyncio.Task[None], _Unacked] = {}
 
     @classmethod
     async def connect(
@@ -451,8 +451,33 @@ class Bus:
                     continue
                 head.future.cancel()  # frees its slot among the pending publishes
                 task = asyncio.create_task(self._republish(head), name="fast-republish")
-                self._republishing.add(task)
-                task.add_done_callback(self._republishing.discard)
+                self._republishing[task] = head
+                task.add_done_callback(self._forget_republish)
+
+    def _forget_republish(self, task: asyncio.Task[None]) -> None:
+        self._republishing.pop(task, None)
+
+    async def flush_fast(self, subject: str, *, retry_s: float = PUBLISH_RETRY_S) -> None:
+        """Return once every fast publish to `subject` so far is stored in its stream.
+
+        A worker calls this before it reports a request's work done: once the work is acked,
+        nothing would migrate the request, so a chunk that only this process still holds (its
+        ack lost with a NATS node) must be stored first, or a kill of this process loses it.
+        A chunk whose ack does not come in time is published again, acked (stored once: the
+        same ``Nats-Msg-Id``); the last error is raised if that fails for `retry_s`.
+        """
+        if self.replicas == 1:
+            return  # a single server stores a publish before it delivers it
+        waiting = [u for u in self._unacked if u.subject == subject]
+        waiting += [u for u in self._republishing.values() if u.subject == subject]
+        if not waiting:
+            return
+        await asyncio.wait({u.future for u in waiting}, timeout=FAST_ACK_WAIT_S)
+        for unacked in waiting:
+            future = unacked.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                continue
+            await publish_acked(self.js, subject, unacked.payload, unacked.headers, retry_s=retry_s)
 
     async def _republish(self, unacked: _Unacked) -> None:
         try:
