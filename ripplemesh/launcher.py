@@ -615,6 +615,6 @@ def _back_after(exited_at: float, health: dict[str, Any]) -> float:
     now = time.monotonic()
     ready_at = health.get("ready_at")
     if isinstance(ready_at, int | float):
-        ready = now - max(0.0, time.time() - float(ready_at))
-        return max(0.0, min(now, ready) - exited_at)
+        ready = now - max(0.0, time.time() - float(ready_at))  # never after now
+        return max(0.0, ready - exited_at)
     return now - exited_at
