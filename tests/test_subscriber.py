@@ -430,12 +430,16 @@ async def test_a_subscriber_has_a_user_of_its_own_that_reads_events_and_no_tenan
         await spy.flush()
         for tenant in ("acme", "plain"):
             await bus.nc.publish(tokens_subject(tenant, f"r-{tenant}"), msgspec.json.encode(chunk))
+        await bus.nc.flush(timeout=5)
         # (Once in about 20 runs here the granted tenant's chunk did not arrive in 10 s; what
         # the spy saw and was told is printed to find out why.)
         try:
             await until(lambda: len(seen) == 1)
         except AssertionError:
-            raise AssertionError(f"seen {seen}, errors {errors}, spy connected {spy.is_connected}") from None
+            raise AssertionError(
+                f"seen {seen}, errors {errors}, spy connected {spy.is_connected}, spy subscriptions "
+                f"{[sub.subject for sub in spy._subs.values()]}, publisher connected {bus.nc.is_connected}"
+            ) from None
         await asyncio.sleep(0.3)
         assert len(seen) == 1 and any("rmesh.tokens.acme" in str(e) for e in errors), errors
     finally:
