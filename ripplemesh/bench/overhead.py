@@ -544,7 +544,7 @@ def _print_tracing_table(
             f"tracing_{mode}_vs_off_cpu": ratios[2],
         }
     console.print(table)
-    if phoenix_binary() is None and not any(m.startswith("otlp") for m in results):
+    if phoenix_binary() is None:
         console.print(
             f"OTLP to a receiver: not measured (no Phoenix in {RECEIVERS_VENV}: run make receivers)"
         )
