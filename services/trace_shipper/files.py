@@ -1,5 +1,5 @@
 """The services' span files as the trace shipper reads them: what is new in each since it last
-shipped (whole lines only), and each line as the span the OTLP exporter takes.
+shipped (whole lines only).
 
 A file is ``<data_dir>/traces/<service>-<pid>.jsonl``, one span a line as `span_to_dict` writes
 it. Where each file was shipped to is kept in ``.shipped.json`` beside them, written after each
@@ -10,22 +10,13 @@ the files of earlier runs at their ends: only this run's spans are shipped.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 OFFSETS_FILE = ".shipped.json"
-_SCOPE = InstrumentationScope("ripplemesh")
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
 def mark_existing_as_shipped(directory: Path) -> None:
@@ -99,42 +90,3 @@ def _write_offsets(directory: Path, offsets: dict[str, int]) -> None:
     temporary = directory / f"{OFFSETS_FILE}.tmp"
     temporary.write_text(json.dumps(offsets))
     os.replace(temporary, directory / OFFSETS_FILE)
-
-
-@functools.cache
-def _resource(service: str) -> Resource:
-    # One object per service: the OTLP encoder groups a batch's spans by resource.
-    return Resource.create({"service.name": service, "service.namespace": "ripplemesh"})
-
-
-def span_of(entry: dict[str, Any]) -> ReadableSpan:
-    """A span file's entry (`services.mesh.tracing.span_to_dict`) as the span it was. Raises
-    KeyError or ValueError on an entry that is not one."""
-    trace_id = int(entry["trace_id"], 16)
-    context = SpanContext(trace_id, int(entry["span_id"], 16), is_remote=False, trace_flags=_SAMPLED)
-    parent_id = entry.get("parent_id")
-    parent = (
-        SpanContext(trace_id, int(parent_id, 16), is_remote=True, trace_flags=_SAMPLED) if parent_id else None
-    )
-    links = [
-        Link(
-            SpanContext(
-                int(link["trace_id"], 16), int(link["span_id"], 16), is_remote=True, trace_flags=_SAMPLED
-            ),
-            link.get("attributes") or {},
-        )
-        for link in entry.get("links") or ()
-    ]
-    return ReadableSpan(
-        name=str(entry["name"]),
-        context=context,
-        parent=parent,
-        resource=_resource(str(entry.get("service") or "ripplemesh")),
-        attributes=entry.get("attributes") or {},
-        links=links,
-        kind=SpanKind[str(entry.get("kind") or "INTERNAL")],
-        status=Status(StatusCode[str(entry.get("status") or "UNSET")]),
-        start_time=int(entry["start_ns"]),
-        end_time=int(entry["end_ns"]),
-        instrumentation_scope=_SCOPE,
-    )

@@ -20,16 +20,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client import Counter, Gauge
 from starlette.routing import BaseRoute
 
 from services.mesh.runtime import Runtime
-from services.mesh.tracing import SPANS_EXPORTED, otlp_span_exporter, traces_dir
-from services.trace_shipper.files import SpanFiles, span_of
+from services.mesh.tracing import SPANS_EXPORTED, traces_dir
+from services.trace_shipper.files import SpanFiles
+from services.trace_shipper.otlp import OtlpHttpSender, encode_request, encode_span
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,18 @@ class TraceShipperService:
     # Nothing waits on it: the CPU goes to the request path first.
     background: ClassVar[bool] = True
 
-    def __init__(self, exporter: SpanExporter | None = None) -> None:
-        self._exporter = exporter
+    def __init__(self, send: Callable[[bytes], bool] | None = None) -> None:
+        # Posts one serialized OTLP export request; True when the receiver took it.
+        self._send = send
+        self._sender: OtlpHttpSender | None = None
         self._files: SpanFiles | None = None
         self.shipped = 0
         self.last_error: str | None = None
 
     async def start(self, runtime: Runtime) -> None:
-        if self._exporter is None:
-            self._exporter = otlp_span_exporter()
+        if self._send is None:
+            self._sender = OtlpHttpSender()
+            self._send = self._sender
         self._files = SpanFiles.open(traces_dir(runtime.options.data_dir))
         runtime.spawn(runtime.every(SHIP_EVERY_S, self.ship_round, "ship-spans"), "ship-spans")
 
@@ -74,8 +78,8 @@ class TraceShipperService:
         # What the services wrote as they stopped (they stop before it: it is started first).
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ship_round(), FINAL_ROUND_S)
-        if self._exporter is not None:
-            self._exporter.shutdown()
+        if self._sender is not None:
+            self._sender.close()
 
     def routes(self) -> list[BaseRoute]:
         return []
@@ -84,34 +88,41 @@ class TraceShipperService:
         return {"shipped_spans": self.shipped, "last_error": self.last_error}
 
     async def ship_round(self) -> None:
-        files, exporter = self._files, self._exporter
-        if files is None or exporter is None:
+        files, send = self._files, self._send
+        if files is None or send is None:
             return
         for chunk in files.new_lines(ROUND_BYTES):
-            spans = []
-            for line in chunk.lines:
-                try:
-                    spans.append(span_of(_decoder.decode(line)))
-                except (msgspec.DecodeError, KeyError, ValueError, TypeError):
-                    SKIPPED.inc()
-            for start in range(0, len(spans), BATCH_SPANS):
-                batch = spans[start : start + BATCH_SPANS]
+            lines = chunk.lines
+            for start in range(0, len(lines), BATCH_SPANS):
                 # In a thread: encoding and sending take milliseconds a batch.
-                result = await asyncio.to_thread(_export, exporter, batch)
-                if result is not SpanExportResult.SUCCESS:
+                sent = await asyncio.to_thread(_ship, send, lines[start : start + BATCH_SPANS])
+                if sent is None:
                     FAILURES.inc()
                     self.last_error = f"export failed at {time.strftime('%H:%M:%S')}"
                     BEHIND.set(files.behind_bytes())
                     return  # this file's chunk again next round
-                SPANS_EXPORTED.inc(len(batch))
-                self.shipped += len(batch)
+                SPANS_EXPORTED.inc(sent)
+                self.shipped += sent
             files.shipped(chunk)
         BEHIND.set(files.behind_bytes())
 
 
-def _export(exporter: SpanExporter, spans: list[Any]) -> SpanExportResult:
+def _ship(send: Callable[[bytes], bool], lines: list[bytes]) -> int | None:
+    """Encode these lines' spans (a line that is no span skipped and counted) and send them:
+    how many went, or None if the receiver did not take them."""
+    by_service: dict[str, list[bytes]] = {}
+    for line in lines:
+        try:
+            entry = _decoder.decode(line)
+            span = encode_span(entry)
+            by_service.setdefault(str(entry.get("service") or "ripplemesh"), []).append(span)
+        except (msgspec.DecodeError, KeyError, ValueError, TypeError, AttributeError):
+            SKIPPED.inc()
+    count = sum(len(spans) for spans in by_service.values())
+    if not count:
+        return 0
     try:
-        return exporter.export(spans)
-    except Exception as exc:  # the exporter's own errors: refused, unreachable
+        return count if send(encode_request(by_service)) else None
+    except Exception as exc:  # a sender's own errors: refused, unreachable
         log.warning("span export failed", extra={"error": repr(exc)})
-        return SpanExportResult.FAILURE
+        return None
