@@ -9,9 +9,24 @@ uncached prompt, mean context while decoding):
 - **decode**: the largest batch whose step keeps the inter-token latency SLO and whose KV fits
   the replica; its output tokens per second are that batch over its step time;
 - **prefill**: uncached prompt tokens per second with full chunks (`max_batch_tokens`), and the
-  utilisation at which a queue of such prompts still meets the TTFT SLO: with a mean prompt's
-  service time S and the SLO T, an M/D/1 queue's mean wait is rho S / (2 (1 - rho)); keeping
-  S + twice that wait (a tail, not the mean) under T gives rho <= 1 - S / T.
+  utilisation at which a queue of such prompts still meets the TTFT SLO (`prefill_utilisation`).
+  The queue is M/G/1: Poisson arrivals, a prompt's service time its uncached tokens over that
+  rate, of mean S and coefficient of variation CV. Pollaczek-Khinchine's mean wait is
+  Wq = rho E[S^2] / (2 (1 - rho) E[S]) = rho S (1 + CV^2) / (2 (1 - rho)); keeping S + twice
+  that wait (a tail, not the mean) under the SLO T gives
+  rho <= (T - S) / ((T - S) + (1 + CV^2) S), which is 1 - S / T for prompts all of one size
+  (CV = 0, M/D/1). A few long prompts in a mix of short ones make the short ones wait behind
+  them: the wider the spread, the lower the utilisation. The spread is measured (the windows'
+  sums of squared uncached prompt tokens, forecast.py); not measured, CV = 0.
+
+  Chunked prefill is assumed not to change the queue: a prompt longer than a chunk is served
+  over several consecutive steps, but the engine continues a prompt being prefilled before it
+  admits a new one (services/engines/sim/engine.py, as vLLM), so the prompts are still served
+  first come first served, each for its whole uncached length at the chunks' rate, and a long
+  prompt delays those behind it by all of its chunks: its service time is its whole length,
+  not one chunk's. Not modelled: a first token comes at the end of the step that finishes its
+  prompt, so at full load up to one chunk's step (about 0.27 s for Llama-3-8B on an H100 at
+  8192 tokens) beyond the queue's time.
 """
 
 from __future__ import annotations
@@ -24,9 +39,9 @@ from services.engines.sim.perf import PerfModel
 # The utilisation a decode pool is planned at, below the batch the ITL allows: bursts inside a
 # planning interval land somewhere. Not fitted: a conventional 10% margin.
 DECODE_UTILISATION = 0.9
-# The prefill utilisation is 1 - S/T (module docstring), kept within these bounds: below 0.3 a
-# replica would be planned nearly idle (a prompt close to the SLO on its own), above 0.9 the
-# queue's tail outgrows the mean-wait formula.
+# The prefill utilisation is (T - S) / ((T - S) + (1 + CV^2) S) (module docstring), kept within
+# these bounds: below 0.3 a replica would be planned nearly idle (a prompt close to the SLO on
+# its own), above 0.9 the queue's tail outgrows the mean-wait formula.
 PREFILL_UTILISATION_BOUNDS = (0.3, 0.9)
 
 
@@ -69,18 +84,33 @@ class ReplicaCapacity:
         return self.decode_tokens_per_s * DECODE_UTILISATION
 
 
+def prefill_utilisation(service_s: float, ttft_s: float, cv2: float = 0.0) -> float:
+    """The share of a prefill replica's rate a queue of prompts may use and still meet the TTFT
+    SLO `ttft_s`: M/G/1 with a mean service time `service_s` whose squared coefficient of
+    variation is `cv2` (module docstring), within `PREFILL_UTILISATION_BOUNDS`. `cv2` 0 is the
+    M/D/1 rule 1 - S/T; a prompt as long as the SLO on its own gets the lower bound."""
+    low, high = PREFILL_UTILISATION_BOUNDS
+    slack = ttft_s - service_s
+    if slack <= 0:
+        return low
+    spread = 1.0 + (cv2 if math.isfinite(cv2) and cv2 > 0 else 0.0)
+    return min(high, max(low, slack / (slack + spread * service_s)))
+
+
 def replica_capacity(
-    profile: EngineProfile, *, uncached_prompt: float, context: float, slo: Slo
+    profile: EngineProfile, *, uncached_prompt: float, context: float, slo: Slo, uncached_cv2: float = 0.0
 ) -> ReplicaCapacity:
     """One replica's capacity for a mix: `uncached_prompt` tokens to prefill per request on
-    average, `context` tokens of KV per sequence on average while it decodes."""
+    average, `uncached_cv2` the squared coefficient of variation of those tokens (0: all of
+    one size), `context` tokens of KV per sequence on average while it decodes."""
     perf, scale = profile.perf, max(profile.time_scale, 1e-9)
     chunk = profile.max_batch_tokens
     chunk_s = (perf.prefill_seconds(chunk) + perf.step_overhead_s) * scale
     prefill_rate = chunk / chunk_s
+    # A prompt's service time is proportional to its uncached tokens (full chunks' rate), so its
+    # coefficient of variation is the tokens'.
     service_s = max(uncached_prompt, 1.0) / prefill_rate
-    low, high = PREFILL_UTILISATION_BOUNDS
-    utilisation = min(high, max(low, 1.0 - service_s / slo.ttft_s))
+    utilisation = prefill_utilisation(service_s, slo.ttft_s, uncached_cv2)
     context = max(context, 1.0)
     by_memory = max(1, int(profile.kv_capacity_tokens // context))
     batch = _largest_batch(perf, context, min(profile.max_running, by_memory), slo.itl_s / scale)

@@ -51,6 +51,12 @@ class Window:
     # been prefilled or completed, as on a cold start (an output's max_tokens is its upper bound).
     arrived_prompt_tokens: int = 0
     requested_output_tokens: int = 0
+    # The prompts prefilled in the window, their uncached tokens (prompt less cached) and the sum
+    # of those tokens' squares: the spread of a prompt's prefill time (capacity.py). 0 where not
+    # measured (an older producer): no spread is assumed.
+    uncached_prefills: int = 0
+    uncached_tokens: int = 0
+    uncached_tokens_sq: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -70,6 +76,19 @@ class ModelForecast:
     hit_rate: float = 0.0
     mixed: bool = False  # prompts have been measured at least once
     outputs_seen: bool = False  # outputs too (until then: what the arrivals asked for)
+    # Moving averages of a prefilled prompt's uncached tokens and of their square (0: not
+    # measured), for the spread of the prefill service time (`uncached_cv2`).
+    uncached_mean: float = 0.0
+    uncached_mean_sq: float = 0.0
+
+    @property
+    def uncached_cv2(self) -> float:
+        """The squared coefficient of variation of a prompt's uncached tokens, E[u^2] / E[u]^2 - 1
+        over the moving averages (the windows' own spread and the spread between windows); 0
+        until measured."""
+        if self.uncached_mean <= 0 or self.uncached_mean_sq <= 0:
+            return 0.0
+        return max(0.0, self.uncached_mean_sq / self.uncached_mean**2 - 1.0)
 
     def observe(self, window: Window, settings: ForecastSettings) -> ModelForecast:
         """The forecast after one more window (an older or empty-length window changes nothing)."""
@@ -127,7 +146,12 @@ class ModelForecast:
         return tuple(seasonal)
 
     def _mix(self, window: Window, settings: ForecastSettings) -> ModelForecast:
-        if window.arrivals == 0 and window.completed == 0 and window.prefilled == 0:
+        if (
+            window.arrivals == 0
+            and window.completed == 0
+            and window.prefilled == 0
+            and window.uncached_prefills == 0
+        ):
             return self
         a = settings.mix_alpha if self.mixed else 1.0
         mean_prompt, hit_rate, mean_output = self.mean_prompt, self.hit_rate, self.mean_output
@@ -143,11 +167,19 @@ class ModelForecast:
             mean_output = b * window.output_tokens / window.completed + (1 - b) * mean_output
         elif not self.outputs_seen and window.arrivals and window.requested_output_tokens:
             mean_output = max(mean_output, window.requested_output_tokens / window.arrivals)
+        uncached_mean, uncached_mean_sq = self.uncached_mean, self.uncached_mean_sq
+        if window.uncached_prefills:
+            c = settings.mix_alpha if self.uncached_mean_sq > 0 else 1.0
+            n = window.uncached_prefills
+            uncached_mean = c * window.uncached_tokens / n + (1 - c) * uncached_mean
+            uncached_mean_sq = c * window.uncached_tokens_sq / n + (1 - c) * uncached_mean_sq
         return replace(
             self,
             mean_prompt=mean_prompt,
             mean_output=mean_output,
             hit_rate=hit_rate,
+            uncached_mean=uncached_mean,
+            uncached_mean_sq=uncached_mean_sq,
             mixed=self.mixed or bool(prompts and window.prompt_tokens),
             outputs_seen=self.outputs_seen or bool(window.completed),
         )

@@ -148,6 +148,9 @@ class ModelOutlook:
     ttft_p90_s: float | None
     itl_p90_s: float | None
     held: int
+    # The squared coefficient of variation of a prompt's uncached tokens (0: not measured), which
+    # lowers the prefill utilisation planned at (capacity.py).
+    uncached_cv2: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +308,7 @@ def _outlook(
         ttft_p90_s=observation.ttft_p90_s if observation is not None else None,
         itl_p90_s=observation.itl_p90_s if observation is not None else None,
         held=held,
+        uncached_cv2=round(forecast.uncached_cv2, 4),
     )
 
 
@@ -333,7 +337,8 @@ def _allocate(
 ) -> dict[str, _Target]:
     uncached = outlook.mean_prompt * (1.0 - outlook.hit_rate)
     context = outlook.mean_prompt + outlook.mean_output / 2.0
-    disaggregated, mode_reason = _serving_mode(members, uncached, context, settings)
+    cv2 = outlook.uncached_cv2
+    disaggregated, mode_reason = _serving_mode(members, uncached, context, cv2, settings)
     idle = busy_at is not None and now - busy_at >= settings.idle_to_zero_s
     targets: dict[str, _Target] = {}
     for role in ("prefill", "decode"):
@@ -346,7 +351,9 @@ def _allocate(
                 targets[p.name] = _Target(p.min_replicas, p.min_replicas, 0.0, 0.0, p.min_replicas, [reason])
             continue
         capacities = {
-            p.name: replica_capacity(p.profile, uncached_prompt=uncached, context=context, slo=settings.slo)
+            p.name: replica_capacity(
+                p.profile, uncached_prompt=uncached, context=context, slo=settings.slo, uncached_cv2=cv2
+            )
             for p in group
         }
         factor, why = _reactive(outlook, role, disaggregated, settings)
@@ -398,7 +405,7 @@ def _allocate(
 
 
 def _serving_mode(
-    members: Sequence[Pool], uncached: float, context: float, settings: Settings
+    members: Sequence[Pool], uncached: float, context: float, cv2: float, settings: Settings
 ) -> tuple[bool, str]:
     """Disaggregated (prefill pools take the prompts) or aggregated (decode pools take both):
     disaggregated when the model has prefill pools and a prompt's prefill on the cheapest of
@@ -413,7 +420,9 @@ def _serving_mode(
         return True, "disaggregated"
 
     def prefill_usd(pool: Pool) -> float:
-        cap = replica_capacity(pool.profile, uncached_prompt=uncached, context=context, slo=settings.slo)
+        cap = replica_capacity(
+            pool.profile, uncached_prompt=uncached, context=context, slo=settings.slo, uncached_cv2=cv2
+        )
         if cap.prefill_at_slo <= 0:
             return math.inf
         return uncached / cap.prefill_at_slo * pool.price_per_hour / 3600.0
@@ -497,6 +506,8 @@ def _load_reason(
     rate = f"{outlook.observed_rate:.3g}/s now, {outlook.forecast_rate:.3g}/s in {outlook.horizon_s:g} s"
     if role == "prefill" or not disaggregated:
         work = f"{outlook.prefill_load:.0f} prompt tok/s at hit {outlook.hit_rate:.0%}"
+        if outlook.uncached_cv2 > 0:
+            work += f" (prefill at {cap.prefill_utilisation:.0%}: prompts' CV^2 {outlook.uncached_cv2:.2g})"
         if not disaggregated:
             work += f" + {outlook.decode_load:.0f} output tok/s"
     else:

@@ -2,7 +2,8 @@
 shell feeds it events and the clock, and closes a window into `Observation`s at each plan.
 
 - arrivals: requests prepared by ingress (the demand, admitted or not);
-- prompt and cached tokens, and TTFT: the prefills completed;
+- prompt and cached tokens, and TTFT: the prefills completed (and the sum of the squared
+  uncached prompt tokens, the spread the prefill capacity is planned for);
 - output tokens and the inter-token latency: the decodes completed, ITL being the time after
   the first token over the tokens after it (the request's TTFT is remembered from its prefill).
 Events name a worker, not a model: the model is the worker's, from its heartbeat.
@@ -38,6 +39,8 @@ class _Tally:
     prefilled: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    uncached_tokens: int = 0
+    uncached_tokens_sq: float = 0.0
     completed: int = 0
     output_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
@@ -66,7 +69,10 @@ class TrafficMeter:
         tally = self._tallies[model]
         tally.prefilled += 1
         tally.prompt_tokens += prompt_tokens
-        tally.cached_tokens += min(cached_tokens, prompt_tokens)
+        cached = min(cached_tokens, prompt_tokens)
+        tally.cached_tokens += cached
+        tally.uncached_tokens += prompt_tokens - cached
+        tally.uncached_tokens_sq += float(prompt_tokens - cached) ** 2
         tally.ttfts.append(ttft_s)
         self._ttft[request_id] = ttft_s
         while len(self._ttft) > TTFTS_KEPT:
@@ -114,6 +120,9 @@ class TrafficMeter:
                 prefilled=tally.prefilled,
                 arrived_prompt_tokens=tally.arrived_prompt_tokens,
                 requested_output_tokens=tally.requested_output_tokens,
+                uncached_prefills=tally.prefilled,
+                uncached_tokens=tally.uncached_tokens,
+                uncached_tokens_sq=tally.uncached_tokens_sq,
             )
             observations.append(
                 Observation(

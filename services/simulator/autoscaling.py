@@ -146,12 +146,28 @@ class TrafficWindow:
     """One model's traffic since the last plan: what its `Observation.window` and measured
     latencies are made of (TTFT at each first token, time per output token at each completion)."""
 
-    __slots__ = ("arrivals", "cached_tokens", "completed", "itls", "output_tokens", "prompt_tokens", "ttfts")
+    __slots__ = (
+        "arrivals",
+        "cached_tokens",
+        "completed",
+        "itls",
+        "output_tokens",
+        "prefilled",
+        "prompt_tokens",
+        "ttfts",
+        "uncached_tokens",
+        "uncached_tokens_sq",
+    )
 
     def __init__(self) -> None:
         self.arrivals = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        # The prompts prefilled, their uncached tokens and those tokens' squares (the spread the
+        # policy plans prefill for, as the mesh's TrafficMeter counts it).
+        self.prefilled = 0
+        self.uncached_tokens = 0
+        self.uncached_tokens_sq = 0.0
         self.output_tokens = 0
         self.completed = 0
         self.ttfts: list[float] = []

@@ -247,6 +247,10 @@ class Requests(Fleet):
         req.queue_s = seq.admitted_at - seq.enqueued_at
         window = self._window
         window.cached_tokens += seq.cached_tokens
+        uncached = max(0, seq.prompt_len - seq.cached_tokens)
+        window.prefilled += 1
+        window.uncached_tokens += uncached
+        window.uncached_tokens_sq += float(uncached) ** 2
         window.ttfts.append(now - req.arrival)
         # Prefix-cache accounting over the requests whose prefill ran.
         self.prompt_tokens += seq.prompt_len

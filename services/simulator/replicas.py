@@ -279,6 +279,9 @@ class Fleet(Accounting):
                 cached_tokens=traffic.cached_tokens,
                 output_tokens=traffic.output_tokens,
                 completed=traffic.completed,
+                uncached_prefills=traffic.prefilled,
+                uncached_tokens=traffic.uncached_tokens,
+                uncached_tokens_sq=traffic.uncached_tokens_sq,
             )
             ttft, itl = p90(traffic.ttfts), p90(traffic.itls)
             if not fresh:
