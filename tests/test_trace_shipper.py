@@ -157,6 +157,7 @@ def test_every_attribute_type_a_span_keeps_is_encoded_as_the_sdk_does() -> None:
         {**entry, "kind": "SIDEWAYS"},
         {**entry, "attributes": {"o": object()}},
         {**entry, "attributes": {"big": 2**64}},
+        {**entry, "start_ns": -1},
         {key: value for key, value in entry.items() if key != "end_ns"},
     )
     for broken in broken_entries:
@@ -229,12 +230,13 @@ async def test_a_refused_export_is_tried_again_and_a_restarted_shipper_goes_on_w
     _write_spans(tmp_path, "router-1.jsonl", 2)
     with (tmp_path / "router-1.jsonl").open("ab") as file:
         file.write(b"not a span\n")
+        file.write(b'{"trace_id": "00", "span_id": "11"}\n')  # JSON, but no span
         file.write(b'{"trace_id": "ab')  # the writer is mid-line
     skipped = _skipped()
     restarted = _shipper(tmp_path, receiver)
     await restarted.ship_round()
     assert len(receiver.spans()) == 3 + 2  # none twice, the half line not yet
-    assert _skipped() == skipped + 1
+    assert _skipped() == skipped + 2
 
 
 async def test_files_there_before_the_run_are_not_shipped(tmp_path: Path) -> None:

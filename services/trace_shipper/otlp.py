@@ -81,6 +81,8 @@ def encode_span(entry: Mapping[str, Any]) -> bytes:
     parts.append(_field(_NAME, str(entry["name"]).encode()))
     parts.append(_KINDS[entry.get("kind") or "INTERNAL"])
     start, end = int(entry["start_ns"]), int(entry["end_ns"])
+    if not (0 <= start < 2**64 and 0 <= end < 2**64):
+        raise ValueError(f"span times outside unsigned 64 bits: {start}, {end}")
     if start:
         parts.append(_START + _fixed64(start))
     if end:
