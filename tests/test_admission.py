@@ -37,7 +37,16 @@ from schemas.events import (
     encode_event,
     new_event_id,
 )
-from schemas.subjects import PREFIX, WORKERS, WORKFLOW_SPEND, event_subject, prepared_subject
+from schemas.subjects import (
+    ADMISSION_QUOTAS,
+    PREFIX,
+    WORKERS,
+    WORKFLOW_SPEND,
+    event_subject,
+    prepared_subject,
+)
+from services.admission.policy import AdmissionLimits, AdmissionRequest, TenantQuota
+from services.admission.shared_quota import SharedQuota
 from services.mesh.block_hash import chain_block_hashes
 from services.mesh.bus import Bus
 from services.mesh.embedded_nats import EmbeddedNats, free_port
@@ -642,3 +651,39 @@ async def test_saturation_is_a_metric_from_the_workers_state(
         await asyncio.sleep(0.6)
         # Idle: what is left is one sequence's decode step against the time-per-token bound.
         assert admission_mesh["admission"].metric("ripplemesh_admission_saturation") < 0.5
+
+
+async def test_a_lease_topped_up_in_the_background_takes_its_slice_as_of_the_request_that_ran_it_low(
+    bus: Bus,
+) -> None:
+    """A backlog charged as it arrived (back-dated): the lease's background top-up must not
+    move the shared bucket's time to the clock's, which would take the refill the backlog's
+    next requests are due. Charged one after the other, each top-up awaited, on the real KV."""
+    quota = TenantQuota(requests_per_s=0.5, request_burst=1.0)
+    tasks: list[asyncio.Task[None]] = []
+
+    def spawn(coro: Any, name: str) -> None:
+        tasks.append(asyncio.create_task(coro, name=name))
+
+    tenant = f"backlog-{uuid.uuid4().hex[:8]}"  # a fresh entry in the shared bucket
+    shared = SharedQuota(await bus.key_value(ADMISSION_QUOTAS), {tenant: quota}, AdmissionLimits(), spawn)
+
+    def sent_at(at: float) -> AdmissionRequest:
+        return AdmissionRequest(
+            request_id=uuid.uuid4().hex,
+            tenant=tenant,
+            priority="standard",
+            input_tokens=32,
+            output_tokens=16,
+            submitted_at=at,
+        )
+
+    now = time.time()
+    outcomes = []
+    for sent in (now - 4.4, now - 2.2, now):  # one every 2.2 s: within 1 per 2 s
+        outcomes.append(await shared.charge(sent_at(sent), quota, sent))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    assert outcomes == [None, None, None]
+    rejected = await shared.charge(sent_at(now), quota, now)  # one more now: over the rate
+    assert rejected is not None and rejected.reason == "quota"
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)

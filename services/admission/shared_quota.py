@@ -94,7 +94,7 @@ class SharedQuota:
                         assert spent, "a lease taken for a request holds what it asks"
             if lease.running_low(lease_slice(quota, LEASE_S)) and tenant not in self._topping_up:
                 self._topping_up.add(tenant)
-                self._spawn(self._top_up(admission, quota), f"lease-{tenant}")
+                self._spawn(self._top_up(admission, quota, now), f"lease-{tenant}")
             return None
         async with self._lock(tenant):
             for _ in range(CAS_ATTEMPTS):
@@ -147,13 +147,16 @@ class SharedQuota:
                 return None
         return _contended(tenant)
 
-    async def _top_up(self, admission: AdmissionRequest, quota: TenantQuota) -> None:
-        """In the background, before the lease runs out: another slice (nothing if none is left)."""
+    async def _top_up(self, admission: AdmissionRequest, quota: TenantQuota, now: float) -> None:
+        """In the background, before the lease runs out: another slice (nothing if none is left),
+        taken as of `now`, the time the request that ran it low was charged at. Not the clock's:
+        a backlog charged as it arrived (back-dated) would find the buckets' time moved past
+        its next requests', and their refill gone."""
         try:
             async with self._lock(admission.tenant):
                 lease = self._leases.get(admission.tenant)
                 if lease is not None and lease.running_low(lease_slice(quota, LEASE_S)):
-                    await self._take_lease(admission, quota, time.time())
+                    await self._take_lease(admission, quota, now)
         except Exception as exc:  # the next request takes its slice on its own path
             log.warning("quota lease not topped up", extra={"tenant": admission.tenant, "error": repr(exc)})
         finally:
